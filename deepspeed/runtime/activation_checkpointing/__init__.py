@@ -1,0 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Activation checkpointing (``deepspeed.checkpointing``): recompute activations in backward, not store them."""
