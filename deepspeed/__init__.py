@@ -1,0 +1,80 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DeepSpeed-compatible training runtime whose gradients are right for every way backward is called."""
+
+import os as _os
+
+from deepspeed import comm  # noqa: F401
+from deepspeed import ops  # noqa: F401
+from deepspeed import utils  # noqa: F401
+from deepspeed.accelerator import get_accelerator  # noqa: F401
+from deepspeed.comm import init_distributed  # noqa: F401
+from deepspeed.runtime import lr_schedules  # noqa: F401
+from deepspeed.runtime import zero  # noqa: F401
+from deepspeed.runtime.activation_checkpointing import checkpointing  # noqa: F401
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: F401
+from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: F401
+from deepspeed.utils import log_dist, logger  # noqa: F401
+
+
+def _read_version():
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return version("deepspeed")
+        except PackageNotFoundError:
+            pass
+    except ImportError:
+        pass
+    path = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "version.txt")
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return "0.19.9+rbc"
+
+
+__version__ = _read_version()
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("+")[0].split(".")[:3])
+__git_hash__ = None
+__git_branch__ = None
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               mesh_param=None, config_params=None):
+    """Wrap ``model`` for training; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    The config comes from ``config``, ``config_params`` (its older name) or
+    ``args.deepspeed_config``, as a dict or a JSON path. ``optimizer`` is a torch
+    optimizer or a callable(params); ``lr_scheduler`` a scheduler or a
+    callable(optimizer). Without an optimizer (and no config ``optimizer``) the engine
+    is for evaluation.
+    """
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("deepspeed.initialize: no config given (pass config=dict/path, or args.deepspeed_config)")
+    if not comm.is_initialized():
+        comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=config)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def add_config_arguments(parser):
+    """Add ``--deepspeed`` and ``--deepspeed_config`` to an argparse parser."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="Enable DeepSpeed")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    return parser
+
+
+def default_inference_config():
+    raise NotImplementedError("DeepSpeed inference is not part of this runtime; see docs/compatibility.md")
+
+
+def init_inference(*args, **kwargs):
+    raise NotImplementedError("deepspeed.init_inference is not part of this runtime; see docs/compatibility.md")

@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Ownership marks: which engine's gradient sink a parameter's gradients go to.
+
+``claim`` marks each trainable parameter with its owner and installs the one hook
+through which every gradient contribution of that parameter reaches the backward
+session. Parameters owned by no engine are left to plain autograd.
+
+The hooks here are the whole per-parameter hot path of backward; they do a dict
+lookup and hand over to the session.
+"""
+
+import functools
+
+from deepspeed.runtime.backward import registry
+from deepspeed.runtime.backward.session import BackwardContractError, Seed
+
+OWNER_ATTR = "_ds_grad_owner"
+
+
+def _on_grad_accumulated(participant, param):
+    session = registry.session_for_current_task()
+    if session is not None:
+        session.contribute(param, participant)
+
+
+def _clear_published_grad(participant, grad):
+    # A published reduced gradient (stage 0, fp32: p.grad is a view of the reduced
+    # buffer) must not be accumulated into in place by the next backward: drop it
+    # before autograd's AccumulateGrad runs, so the contribution arrives alone.
+    participant.unpublish_grads()
+    return None
+
+
+class Ownership:
+    """The marks and hooks one engine put on its parameters; ``release`` removes them all."""
+
+    def __init__(self, participant, params, clear_published=False):
+        self.participant = participant
+        self.params = []
+        self._handles = []
+        for param in params:
+            owner = getattr(param, OWNER_ATTR, None)
+            if owner is not None and owner is not participant:
+                self.release()
+                raise ValueError(f"parameter of shape {tuple(param.shape)} is already owned by another DeepSpeed "
+                                 f"engine. A parameter can be trained by one engine only; pass disjoint "
+                                 f"parameters (or freeze the shared ones in all but one engine).")
+            setattr(param, OWNER_ATTR, participant)
+            self.params.append(param)
+            self._handles.append(
+                param.register_post_accumulate_grad_hook(functools.partial(_on_grad_accumulated, participant)))
+            if clear_published:
+                self._handles.append(param.register_hook(functools.partial(_clear_published_grad, participant)))
+
+    def release(self):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for param in self.params:
+            if getattr(param, OWNER_ATTR, None) is self.participant:
+                delattr(param, OWNER_ATTR)
+        self.params = []
+
+
+def owner_of(param):
+    return getattr(param, OWNER_ATTR, None)
+
+
+def arm_outputs(participant, outputs):
+    """Hook the engine's forward outputs so a backward through them joins ``participant``.
+
+    Arming never scales anything: it only makes the session learn, before any of the
+    engine's parameters is reached, that this backward concerns the engine.
+    """
+    hook = functools.partial(_on_output_grad, participant)
+    for tensor in _tensors_in(outputs):
+        if tensor.requires_grad:
+            tensor.register_hook(hook)
+
+
+def _on_output_grad(participant, grad):
+    session = registry.session_for_current_task()
+    if session is not None:
+        session.factor_for(participant)
+
+
+def _tensors_in(obj, depth=0):
+    import torch
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 3 and isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_in(item, depth + 1)
+
+
+def seed(tensor, loss_scale, scale_wrt_gas, retain_graph, source, participant):
+    """Return ``tensor * loss_scale`` carrying a hook that seeds the session.
+
+    The returned tensor is the root of the backward, so its hook fires first in the
+    graph task and records the seed; run again over a retained graph, it seeds that
+    backward too.
+    """
+    if not tensor.requires_grad:
+        raise BackwardContractError(f"{source}: the loss does not require grad (was it computed under "
+                                    f"torch.no_grad(), or from an engine in eval mode with frozen parameters?)")
+    scaled = tensor * loss_scale
+    info = Seed(loss_scale=float(loss_scale), scale_wrt_gas=scale_wrt_gas, retain_graph=retain_graph, source=source)
+    def _seed_hook(grad):
+        session = registry.session_for_current_task()
+        if session is not None:
+            session.add_seed(info)
+            session.factor_for(participant)  # the seeding engine takes part even if none of its params is reached
+        return None
+
+    scaled.register_hook(_seed_hook)
+    return scaled

@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The optimizer object ``deepspeed.initialize`` returns, and the boundary step it runs.
+
+It wraps the client's (or the config's) torch optimizer and keeps its
+``param_groups`` list and dicts (the same objects: LR schedulers built on them keep
+working), its ``state``, ``state_dict``/``load_state_dict``, and adds the loss scaler.
+
+The boundary step, in order, the same on every rank:
+
+1. the stage finishes this window's reductions;
+2. fp16: overflow check (every rank reaches the same verdict); an overflowing step is
+   skipped, the loss scale drops, the window is discarded;
+3. the global gradient norm (kept for ``get_global_grad_norm``, also with clipping off);
+4. clipping: gradients scaled by ``min(1, clip / (norm + 1e-6))``, on the device, no sync;
+5. the inner optimizer steps (on fp32 masters for 16-bit models) and the model is updated.
+"""
+
+import torch
+
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+
+class EngineOptimizer(ZeROOptimizer):
+    """The engine's optimizer: the client optimizer plus precision, clipping and the stage's gradients."""
+
+    def __init__(self, inner, stage, loss_scaler, gradient_clipping, zero_grad_fn, check_overflow):
+        self.optimizer = inner
+        self.stage = stage
+        self.loss_scaler = loss_scaler
+        self.gradient_clipping = float(gradient_clipping or 0.0)
+        self._zero_grad_fn = zero_grad_fn
+        self.check_overflow = check_overflow  # fp16
+        self.overflow = False
+        self._global_grad_norm = None
+
+    # torch.optim.Optimizer-like surface -----------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @property
+    def loss_scale(self):
+        return self.loss_scaler.loss_scale
+
+    @property
+    def cur_scale(self):
+        return self.loss_scaler.loss_scale
+
+    def zero_grad(self, set_to_none=True):
+        """Discard the gradients of the current accumulation window."""
+        self._zero_grad_fn()
+
+    def step(self, closure=None):
+        """Apply the boundary step to the gradients accumulated so far (``engine.step()`` is the usual way)."""
+        if closure is not None:
+            raise NotImplementedError("DeepSpeed optimizers do not take a closure")
+        applied = self.boundary_step()
+        self.stage.zero_window()
+        return applied
+
+    def state_dict(self):
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "overflow": self.overflow,
+        }
+
+    def load_state_dict(self, state_dict, load_optimizer_states=True):
+        if "optimizer" not in state_dict:  # a plain torch optimizer state dict
+            self.optimizer.load_state_dict(state_dict)
+            return
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.overflow = state_dict.get("overflow", False)
+
+    # the boundary step -----------------------------------------------------
+    def boundary_step(self):
+        """Run steps 1-5 of the module docstring; return whether the update was applied."""
+        stage = self.stage
+        stage.finish_window()
+        self.overflow = self.check_overflow and stage.found_overflow()
+        if self.overflow:
+            self._global_grad_norm = torch.tensor(float("inf"))
+            self.loss_scaler.update_scale(True)
+            return False
+        norm = stage.global_grad_norm()
+        self._global_grad_norm = norm
+        if self.gradient_clipping > 0:
+            coef = torch.clamp(self.gradient_clipping / (norm + 1e-6), max=1.0)
+            stage.scale_grads(coef)
+        stage.optimizer_step(self.optimizer)
+        self.loss_scaler.update_scale(False)
+        return True
+
+    def global_grad_norm(self):
+        norm = self._global_grad_norm
+        return None if norm is None else float(norm)

@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Flat, rank-divisible layout of parameters for ZeRO stages 1 and 2.
+
+Parameters are laid out in reverse registration order (about the order backward
+produces their gradients) in one flat *full* space, cut into buckets of about
+``bucket_numel`` elements. A bucket holds parameters of one optimizer param group
+only, and is padded to a multiple of the data-parallel world size ``W``; rank ``r``
+owns chunk ``r`` of every bucket (``chunk = padded / W`` elements), so a bucket's
+reduce-scatter and all-gather are plain equal-chunk collectives.
+
+Each param group has its own *partition space* on each rank: the concatenation of
+the rank's chunks of that group's buckets. It is the shape of the rank's fp32
+master partition, of its optimizer state and of its gradient partition.
+
+A parameter may straddle chunks (and so ranks); zero-sized parameters take no
+space; padding elements are never read as gradients (they stay zero).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PartitionBucket:
+    index: int
+    group: int
+    start: int  # offset in the full space
+    numel: int  # elements holding parameters
+    padded: int  # numel rounded up to a multiple of the world size
+    part_offset: int  # offset of this rank's chunk in the group's partition space
+    chunk: int = 0  # padded / world size: what each rank owns
+    params: list = field(default_factory=list)
+
+
+@dataclass
+class PartitionSlot:
+    offset: int  # in the full space
+    numel: int
+    shape: torch.Size
+    bucket: int
+    group: int
+    fired_serial: int = -1
+
+
+class PartitionedLayout:
+    """See the module docstring. ``groups`` is a list of lists of parameters (one per param group)."""
+
+    def __init__(self, groups, module_order, bucket_numel, world_size, rank):
+        self.world_size = world_size
+        self.rank = rank
+        group_of = {}
+        for g, params in enumerate(groups):
+            for p in params:
+                group_of[p] = g
+        order = {id(p): i for i, p in enumerate(module_order)}
+        ordered = sorted(group_of, key=lambda p: order.get(id(p), len(order)), reverse=True)
+        self.params = ordered
+        self.num_groups = len(groups)
+        self.slots = {}
+        self.buckets = []
+        self.group_part_numel = [0] * len(groups)
+        bucket_numel = max(int(bucket_numel), 1)
+        self._end = 0  # full-space end of the closed buckets
+        current = None
+        for param in ordered:
+            g = group_of[param]
+            numel = param.numel()
+            if (current is None or current.group != g or (current.numel > 0 and current.numel + numel > bucket_numel)):
+                current = self._close(current)
+                current = PartitionBucket(index=len(self.buckets), group=g, start=self._end, numel=0, padded=0,
+                                          part_offset=self.group_part_numel[g])
+                self.buckets.append(current)
+            self.slots[param] = PartitionSlot(offset=current.start + current.numel, numel=numel, shape=param.shape,
+                                              bucket=current.index, group=g)
+            current.params.append(param)
+            current.numel += numel
+        self._close(current)
+        self.numel = self._end
+
+    def _close(self, bucket):
+        if bucket is not None:
+            world = self.world_size
+            bucket.padded = max(world, -(-bucket.numel // world) * world)
+            bucket.chunk = bucket.padded // world
+            self.group_part_numel[bucket.group] += bucket.chunk
+            self._end += bucket.padded
+        return None
+
+    # full space ------------------------------------------------------------
+    def full_view(self, buffer, param):
+        slot = self.slots[param]
+        return buffer.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+    def bucket_full(self, buffer, bucket):
+        return buffer.narrow(0, bucket.start, bucket.padded)
+
+    def bucket_own_chunk_full(self, buffer, bucket):
+        """This rank's chunk of ``bucket`` inside a full-space buffer."""
+        return buffer.narrow(0, bucket.start + self.rank * bucket.chunk, bucket.chunk)
+
+    # partition space -------------------------------------------------------
+    def bucket_part(self, part_buffer, bucket):
+        """This rank's chunk of ``bucket`` inside its group's partition buffer."""
+        return part_buffer.narrow(0, bucket.part_offset, bucket.chunk)
+
+    def owned_ranges(self, param):
+        """Pieces of ``param`` this rank owns: (start in param's flat view, length, offset in group partition)."""
+        slot = self.slots[param]
+        bucket = self.buckets[slot.bucket]
+        chunk_lo = bucket.start + self.rank * bucket.chunk
+        chunk_hi = chunk_lo + bucket.chunk
+        lo = max(slot.offset, chunk_lo)
+        hi = min(slot.offset + slot.numel, chunk_hi)
+        if hi <= lo:
+            return None
+        return lo - slot.offset, hi - lo, bucket.part_offset + (lo - chunk_lo)

@@ -1,0 +1,9 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Utilities: logging and access to full/local gradients, fp32 parameters and optimizer state."""
+
+from deepspeed.utils import logging  # noqa: F401
+from deepspeed.utils.logging import log_dist, logger  # noqa: F401
+from deepspeed.utils.tensor_fragment import (  # noqa: F401
+    safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state, safe_get_local_fp32_param,
+    safe_get_local_grad, safe_get_local_optimizer_state, safe_set_full_fp32_param, safe_set_full_grad,
+    safe_set_full_optimizer_state, safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state)

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Full and local views of a parameter's gradient, fp32 master and optimizer state.
+
+These work on any parameter an engine owns, whatever the stage; for a parameter no
+engine owns, the gradient is ``param.grad`` and the fp32 value is the parameter.
+``safe_get_full_grad`` is meaningful after the boundary backward and before
+``step()``: it returns the reduced, unscaled gradient (fp32 by default).
+"""
+
+import torch
+
+from deepspeed.runtime.backward.ownership import owner_of
+
+
+def _stage(param):
+    owner = owner_of(param)
+    if owner is None:
+        return None
+    return owner.engine._stage
+
+
+def safe_get_full_grad(param):
+    stage = _stage(param)
+    if stage is None:
+        return None if param.grad is None else param.grad.detach().clone()
+    return stage.full_grad(param).detach().clone()
+
+
+def safe_set_full_grad(param, value):
+    stage = _stage(param)
+    if stage is None:
+        param.grad = value.detach().clone().to(param.dtype)
+        return
+    stage.set_full_grad(param, value)
+
+
+def safe_get_full_fp32_param(param):
+    stage = _stage(param)
+    if stage is None:
+        return param.detach().float().clone()
+    return stage.fp32_param(param).detach().float().clone()
+
+
+def safe_set_full_fp32_param(param, value):
+    stage = _stage(param)
+    if stage is None:
+        with torch.no_grad():
+            param.copy_(value)
+        return
+    stage.set_fp32_param(param, value)
+
+
+def safe_get_full_optimizer_state(param, optim_state_key):
+    owner = owner_of(param)
+    if owner is None:
+        return None
+    engine = owner.engine
+    value = engine._stage.optimizer_state(engine.basic_optimizer, param, optim_state_key)
+    return None if value is None else value.detach().clone()
+
+
+def safe_set_full_optimizer_state(param, value, optim_state_key):
+    owner = owner_of(param)
+    if owner is None:
+        raise ValueError("safe_set_full_optimizer_state: the parameter is not owned by a DeepSpeed engine")
+    engine = owner.engine
+    engine._stage.set_optimizer_state(engine.basic_optimizer, param, optim_state_key, value)
+
+
+def safe_get_local_grad(param):
+    """This rank's piece of the gradient (flat for partitioned stages; the whole tensor on stage 0)."""
+    stage = _stage(param)
+    if stage is None or not hasattr(stage, "local_grad"):
+        return safe_get_full_grad(param)
+    return stage.local_grad(param).detach().clone()
+
+
+def safe_get_local_fp32_param(param):
+    """This rank's piece of the fp32 parameter (flat for partitioned stages; the whole tensor on stage 0)."""
+    stage = _stage(param)
+    if stage is None or not hasattr(stage, "local_fp32_param"):
+        return safe_get_full_fp32_param(param)
+    return stage.local_fp32_param(param).detach().clone()
+
+
+# Setting through the full value works for every stage: each rank keeps its own piece.
+safe_set_local_grad = safe_set_full_grad
+safe_set_local_fp32_param = safe_set_full_fp32_param
+safe_get_local_optimizer_state = safe_get_full_optimizer_state
+safe_set_local_optimizer_state = safe_set_full_optimizer_state
