@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run one cell of the contract matrix on every rank and compare with the reference.
+
+Each rank trains the engines for ``steps`` optimizer steps of every engine; the
+reference (plain torch, every rank's data) runs alongside. At each engine's
+accumulation boundary, before ``step()``, every gradient an engine reports
+(``safe_get_full_grad``) must equal the reference gradient; after ``step()`` every
+fp32 parameter must equal the reference optimizer's (SGD with momentum, gradient
+clipping at 1.0, both computed in plain torch).
+
+``cell["device"]`` (optional, default ``"cpu"``) is where the reference models and the
+batches live: ``"cuda"`` means this rank's GPU (``LOCAL_RANK``), the device the engines
+move their models to. Gradients and parameters an engine reports are compared on the
+reference's device (an offloaded optimizer keeps its fp32 masters on the CPU).
+"""
+
+import copy
+import math
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GRAD_TOL = {"fp32": dict(rtol=1e-5, atol=1e-6), "bf16": dict(rtol=1e-2, atol=1e-4), "fp16": dict(rtol=1e-2, atol=1e-4)}
+PARAM_TOL = {"fp32": dict(rtol=1e-5, atol=1e-6), "bf16": dict(rtol=1e-3, atol=1e-4), "fp16": dict(rtol=1e-3, atol=1e-4)}
+LR, MOMENTUM, CLIP = 0.1, 0.9, 1.0
+LOSS_SCALE_POWER = 8
+
+
+def make_config(cell, gas, shape):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": CLIP,
+        "steps_per_print": float("inf"),
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
+        "zero_optimization": {"stage": cell["stage"], "reduce_bucket_size": cell.get("bucket", 64)},
+    }
+    cfg.update(cell.get("zero_extra_top", {}))
+    cfg["zero_optimization"].update(cell.get("zero_extra", {}))
+    if cell["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif cell["dtype"] == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": LOSS_SCALE_POWER}
+    cfg.update(shape.config)
+    return cfg
+
+
+class Reference:
+    """Plain-torch training of the same models: the expected gradients and parameters."""
+
+    def __init__(self, models, dtype, gas, world_size, loss_scale, device=None):
+        self.models = [copy.deepcopy(m).to(device=device, dtype=dtype) for m in models]
+        self.gas = gas
+        self.world_size = world_size
+        self.loss_scale = loss_scale
+        self.masters = [{n: p.detach().float().clone() for n, p in m.named_parameters()} for m in self.models]
+        self.optimizers = []
+        for masters in self.masters:
+            for t in masters.values():
+                t.requires_grad_(True)
+            self.optimizers.append(torch.optim.SGD(list(masters.values()), lr=LR, momentum=MOMENTUM,
+                                                   foreach=False))
+        self.accum = [{n: torch.zeros_like(p) for n, p in masters.items()} for masters in self.masters]
+
+    def driver(self):
+        from tests.unit.contract.drivers import ReferenceDriver
+        return ReferenceDriver(self.models, self.gas, self.world_size, self.loss_scale, self.accum)
+
+    def step(self, i):
+        grads = self.accum[i]
+        norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads.values()]))
+        coef = min(1.0, CLIP / (float(norm) + 1e-6))
+        with torch.no_grad():
+            for name, master in self.masters[i].items():
+                master.grad = grads[name] * coef
+            self.optimizers[i].step()
+            for name, param in self.models[i].named_parameters():
+                param.copy_(self.masters[i][name])
+        for g in grads.values():
+            g.zero_()
+        return float(norm)
+
+
+def _compare(what, actual, expected, tol):
+    torch.testing.assert_close(actual.float().to(expected.device), expected, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def cell_device(cell):
+    """The device of the reference models and the batches: the CPU, or this rank's GPU for ``"cuda"``."""
+    import deepspeed.comm as dist
+    kind = cell.get("device", "cpu")
+    return torch.device("cuda", dist.get_local_rank()) if kind == "cuda" else torch.device(kind)
+
+
+def run_cell(cell):
+    """Worker body: train, compare at every boundary, return the number of checked steps."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+    from tests.unit.contract.drivers import EngineDriver, protocol_context
+    from tests.unit.contract.models import make_batch
+    from tests.unit.contract.shapes import SHAPES, build_model
+
+    shape = SHAPES[cell["shape"]]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[cell["dtype"]]
+    gas = [cell["gas"] * m for m in shape.gas_mult]
+    torch.manual_seed(0)
+    models = [build_model(kind) for kind in shape.models]
+    loss_scale = float(2**LOSS_SCALE_POWER) if cell["dtype"] == "fp16" else 1.0
+    device = cell_device(cell)
+
+    def batch(r, t):
+        return tuple(x.to(device) for x in make_batch(r, t))
+
+    ref = Reference(models, dtype, gas, world, loss_scale, device)
+    engines = [
+        deepspeed.initialize(model=m, config=make_config(cell, g, shape))[0] for m, g in zip(models, gas)
+    ]
+    drv = EngineDriver(engines, fp16=cell["dtype"] == "fp16")
+    period = math.lcm(*gas)
+    checked = 0
+    try:
+        for t in range(cell.get("steps", 2) * period):
+            boundary = [(t + 1) % g == 0 for g in gas]
+            if shape.protocol == "accelerate":
+                for e, b in zip(engines, boundary):
+                    e.set_gradient_accumulation_boundary(b)
+            with protocol_context(shape.protocol, engines, boundary[0]):
+                shape.fn(drv, batch(rank, t), t, rank)
+            for r in range(world):
+                shape.fn(ref.driver(), batch(r, t), t, r)
+            for i, engine in enumerate(engines):
+                # Unmanaged accumulation reduces inside step(): there the step's norm and
+                # parameters (which determine the gradient exactly under SGD) are checked.
+                if boundary[i] and shape.protocol != "unmanaged":
+                    for name, param in engine.module.named_parameters():
+                        _compare(f"rank {rank} step {t} engine {i} grad {name}", safe_get_full_grad(param),
+                                 ref.accum[i][name], GRAD_TOL[cell["dtype"]])
+                if shape.protocol in ("accelerate", "unmanaged") and not boundary[i]:
+                    continue
+                engine.step()
+                if boundary[i]:
+                    assert engine.was_step_applied(), f"engine {i} skipped step {t}"
+                    ref_norm = ref.step(i)
+                    got_norm = engine.get_global_grad_norm()
+                    assert abs(got_norm - ref_norm) <= 1e-2 * ref_norm + 1e-5, (got_norm, ref_norm)
+                    for name, param in engine.module.named_parameters():
+                        _compare(f"rank {rank} step {t} engine {i} param {name}", safe_get_full_fp32_param(param),
+                                 ref.masters[i][name].detach(), PARAM_TOL[cell["dtype"]])
+                    checked += 1
+        for engine in engines:
+            assert engine.get_loss_scale() == loss_scale
+    finally:
+        for engine in engines:
+            engine.destroy()
+    return checked

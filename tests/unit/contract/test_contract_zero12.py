@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The gradient contract on ZeRO stages 1 and 2.
+
+CI runs a covering subset; the full product (every shape x dtype x GAS x world 1-3 x
+every option combination) runs with ``DS_FULL_MATRIX=1 python -m pytest
+tests/unit/contract/test_contract_zero12.py``.
+
+* every shape x dtype x GAS 1, 4 at world 2 with small buckets;
+* core shapes at worlds 1 and 3 (odd: buckets and partitions padded);
+* option sets covering every pair of {offload_optimizer cpu, overlap_comm,
+  contiguous_gradients, reduce_scatter, tiny bucket (a parameter larger than a
+  bucket) / default bucket} on core shapes, worlds 2 and 3.
+"""
+
+import itertools
+import os
+
+import pytest
+
+from tests.unit.common import run_distributed
+from tests.unit.contract.runner import run_cell
+from tests.unit.contract.shapes import SHAPES
+
+FULL = os.environ.get("DS_FULL_MATRIX") == "1"
+DTYPES = ["fp32", "bf16", "fp16"]
+CORE = ["plain", "unused_param", "two_losses_retained", "ckpt_reentrant", "mixed_submodule_direct",
+        "two_engines_direct_diff_gas", "unmanaged", "coalesce"]
+
+
+def _shapes(stage):
+    # no_sync is rejected on stage 2 (tested below), as upstream does.
+    return sorted(s for s in SHAPES if not (stage == 2 and s == "no_sync"))
+
+
+def _options(offload, overlap, contiguous, reduce_scatter, bucket):
+    zero = {"overlap_comm": overlap, "contiguous_gradients": contiguous, "reduce_scatter": reduce_scatter}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    return dict(zero_extra=zero, bucket=bucket)
+
+
+# A covering array: every pair of values of any two of the five factors appears in some row.
+PAIRWISE = [
+    (False, True, True, True, 16),
+    (False, False, False, False, int(5e8)),
+    (True, True, False, False, 16),
+    (True, False, True, True, int(5e8)),
+    (True, True, True, False, int(5e8)),
+    (False, False, True, True, 16),
+    (True, False, False, True, 16),
+]
+OPTION_ROWS = list(itertools.product([False, True], [False, True], [False, True], [False, True],
+                                     [16, int(5e8)])) if FULL else PAIRWISE
+
+
+def _cells():
+    cells = []
+    for stage in (1, 2):
+        for shape, dtype, gas in itertools.product(_shapes(stage), DTYPES, [1, 4]):
+            for world in ([1, 2, 3] if FULL else [2]):
+                cells.append(dict(stage=stage, shape=shape, dtype=dtype, gas=gas, world=world, bucket=64))
+        if not FULL:
+            for shape, dtype, gas, world in itertools.product(CORE, ["fp32", "bf16"], [1, 4], [1, 3]):
+                if stage == 2 and shape == "no_sync":
+                    continue
+                cells.append(dict(stage=stage, shape=shape, dtype=dtype, gas=gas, world=world, bucket=64))
+        shapes = _shapes(stage) if FULL else ["plain", "unused_param", "two_losses_retained", "ckpt_reentrant"]
+        for row, shape, world in itertools.product(OPTION_ROWS, shapes, [2, 3]):
+            dtype = "bf16" if row[0] else "fp32"
+            cells.append(dict(stage=stage, shape=shape, dtype=dtype, gas=2, world=world, options=row,
+                              **_options(*row)))
+    return cells
+
+
+def _id(cell):
+    opt = "" if "options" not in cell else "-opt" + "".join(str(int(x > 0)) for x in cell["options"][:4]) + (
+        "-tinybucket" if cell["options"][4] == 16 else "")
+    return f"z{cell['stage']}-{cell['shape']}-{cell['dtype']}-gas{cell['gas']}-w{cell['world']}{opt}"
+
+
+CELLS = _cells()
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[_id(c) for c in CELLS])
+def test_contract_zero12(cell):
+    cell = dict(cell)
+    world = cell.pop("world")
+    cell.pop("options", None)
+    checked = run_distributed(run_cell, world, args=(cell, ), timeout=120)
+    assert all(c >= 2 for c in checked), checked
+
+
+def no_sync_on_stage2():
+    import deepspeed
+    import torch
+    from tests.unit.contract.models import ToyNet
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 2}}
+    engine = deepspeed.initialize(model=ToyNet(), config=cfg)[0]
+    try:
+        with pytest.raises(RuntimeError, match="no_sync"):
+            with engine.no_sync():
+                pass
+    finally:
+        engine.destroy()
+    return True
+
+
+def test_no_sync_rejected_on_stage2():
+    assert run_distributed(no_sync_on_stage2, 2, timeout=60) == [True, True]
