@@ -31,6 +31,7 @@ from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
 from deepspeed.runtime.zero.stage0 import Stage0
 from deepspeed.runtime.zero.stage_1_and_2 import PartitionedStage
+from deepspeed.runtime.zero.stage3 import Stage3
 from deepspeed.utils.logging import log_dist, logger
 
 
@@ -92,7 +93,7 @@ class DeepSpeedEngine(torch.nn.Module):
     @staticmethod
     def _validate_supported(cfg):
         stage = cfg.zero_optimization_stage
-        if stage > 2:
+        if stage > 3:
             raise NotImplementedError(f"zero_optimization.stage={stage} is not available yet in this release; "
                                       f"see docs/compatibility.md")
 
@@ -116,7 +117,8 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.world_size == 1:
             return
         for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-            dist.broadcast(tensor.data, src=0)
+            if not hasattr(tensor, "ds_id"):  # ZeRO-3 shards differ by rank on purpose
+                dist.broadcast(tensor.data, src=0)
 
     def _build_optimizer(self, client_optimizer, model_parameters):
         cfg = self._config
@@ -169,6 +171,21 @@ class DeepSpeedEngine(torch.nn.Module):
             params = self._trainable_params()
             self._stage = Stage0(params, self.basic_optimizer, reduce_in_backward_fn=self._reduce_in_backward,
                                  **common)
+        elif stage == 3:
+            offload = self._offload_optimizer_device()
+            offload_param = str(getattr(zero.offload_param_device, "value", zero.offload_param_device))
+            if "nvme" in (offload, offload_param):
+                raise NotImplementedError("NVMe offload is not supported; see docs/compatibility.md")
+            self._stage = Stage3(
+                self.module, self.basic_optimizer, reduce_now_fn=self._reduce_every_backward,
+                overlap_comm=bool(zero.overlap_comm), use_reduce_scatter=bool(zero.reduce_scatter),
+                unit_numel=max(1, int(zero.stage3_prefetch_bucket_size)),
+                persistence_threshold=int(zero.stage3_param_persistence_threshold), model_dtype=self._dtype,
+                offload_optimizer_device="cpu" if offload == "cpu" else None,
+                offload_param_device="cpu" if offload_param == "cpu" else None,
+                pin_memory=bool(zero.offload_optimizer is not None and zero.offload_optimizer.pin_memory),
+                **{k: v for k, v in common.items() if k != "bucket_numel"})
+            params = self._stage.layout.params
         else:
             offload = self._offload_optimizer_device()
             if offload == "nvme":
@@ -252,6 +269,15 @@ class DeepSpeedEngine(torch.nn.Module):
         """The gradient norm of the last boundary step (before clipping), or None before the first."""
         return self.optimizer.global_grad_norm() if self.optimizer is not None else None
 
+    def zero_gather_16bit_weights_on_model_save(self):
+        return bool(self._config.zero_config.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """The whole 16-bit state dict of a ZeRO-3 model (a collective: call it on every rank)."""
+        if self.zero_optimization_stage() != 3:
+            raise RuntimeError("_zero3_consolidated_16bit_state_dict() is for ZeRO stage 3 engines")
+        return self._stage.consolidated_state_dict(exclude_frozen_parameters)
+
     def was_step_applied(self):
         return self._step_applied
 
@@ -311,8 +337,12 @@ class DeepSpeedEngine(torch.nn.Module):
             inputs = _cast_floats(inputs, torch.float16)
             kwargs = _cast_floats(kwargs, torch.float16)
         outputs = self.module(*inputs, **kwargs)
-        if self._stage is not None and torch.is_grad_enabled():
-            ownership.arm_outputs(self._stage.grads, outputs)
+        if self._stage is not None:
+            if torch.is_grad_enabled():
+                ownership.arm_outputs(self._stage.grads, outputs)
+            after_forward = getattr(self._stage, "after_forward", None)
+            if after_forward is not None:
+                after_forward()
         return outputs
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):

@@ -1,70 +1,294 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ZeRO-3 parameter partitioning API (``deepspeed.zero.Init``, ``GatheredParameters``).
+"""ZeRO-3 parameters: sharding, the ``ds_*`` attributes, ``zero.Init`` and ``GatheredParameters``.
 
-Stage 3 is not available in this release. What already holds, because frameworks
-call these for every stage: ``Init(enabled=False)`` is a no-op, and
-``GatheredParameters`` over parameters that are not partitioned (plain tensors, or
-any parameter of a stage 0-2 model) does nothing, with ``modifier_rank`` edits
-broadcast from that rank so every rank keeps the same values.
+A partitioned parameter keeps only its shard on each rank: the parameter is
+flattened, padded to a multiple of the data-parallel world size ``W`` and cut into
+``W`` equal shards; rank ``r`` keeps shard ``r`` in ``param.ds_tensor``. While the
+parameter is not gathered its ``.data`` is an empty tensor. Attributes (upstream's
+names): ``ds_id``, ``ds_numel``, ``ds_shape``, ``ds_status`` (:class:`ZeroParamStatus`),
+``ds_tensor``, ``ds_shard_numel``.
+
+A ZeRO-3 engine takes over the shards of a model built inside ``zero.Init`` (or
+shards the parameters itself at ``initialize``), and from then on gathers and
+releases them through module hooks (``stage3.py``).
 """
 
 import contextlib
+import functools
+import itertools
 
 import torch
 
+from deepspeed.accelerator import get_accelerator  # noqa: F401  (Transformers patches this module global)
+
+_orig_torch_arange = torch.arange  # Transformers reads and patches these module globals
+_orig_torch_empty = torch.empty
+_next_id = itertools.count()
+
 
 class ZeroParamStatus:
+    # the parameter is gathered: .data holds the full tensor
     AVAILABLE = 1
+    # only the shard exists: .data is empty
     NOT_AVAILABLE = 2
+    # a gather is in flight
     INFLIGHT = 3
 
 
-def _is_partitioned(param):
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype, target_device=None):
+    """Wrap a tensor constructor so floating tensors are created in ``target_fp_dtype`` (on ``target_device``)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if kwargs.get("device", None) is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        if tensor.is_floating_point():
+            tensor = tensor.to(target_fp_dtype)
+        return tensor
+
+    return wrapped
+
+
+def is_zero_param(param):
     return hasattr(param, "ds_id")
 
 
-class Init(contextlib.ContextDecorator):
-    """Build a model with parameters partitioned at construction (stage 3 only)."""
+def _dp_world():
+    import deepspeed.comm as dist
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def shard_numel(numel, world_size):
+    return max(1, -(-numel // world_size))
+
+
+def _empty_like(param):
+    return torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+@torch.no_grad()
+def partition_param(param, world_size=None, rank=None, shard_device=None, dtype=None):
+    """Turn ``param`` into a partitioned parameter, keeping this rank's shard. Idempotent."""
+    if is_zero_param(param):
+        return param
+    if world_size is None:
+        world_size, rank = _dp_world()
+    numel = param.numel()
+    shard = shard_numel(numel, world_size)
+    flat = param.data.reshape(-1)
+    if dtype is not None and flat.is_floating_point():
+        flat = flat.to(dtype)
+    start = rank * shard
+    piece = torch.zeros(shard, dtype=flat.dtype, device=shard_device or flat.device)
+    take = max(0, min(numel - start, shard))
+    if take > 0:
+        piece[:take].copy_(flat[start:start + take])
+    param.ds_id = next(_next_id)
+    param.ds_numel = numel
+    param.ds_shape = param.shape
+    param.ds_shard_numel = shard
+    param.ds_tensor = piece
+    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    param.ds_persist = False
+    param.data = torch.empty(0, dtype=piece.dtype, device=piece.device)
+    return param
+
+
+@torch.no_grad()
+def gather_param(param, group=None):
+    """Make a partitioned parameter whole from every rank's shard (a collective)."""
+    import deepspeed.comm as dist
+    world, _ = _dp_world()
+    shard = param.ds_tensor
+    device = get_accelerator().current_device_name() if shard.device.type == "cpu" and \
+        get_accelerator()._name != "cpu" else shard.device
+    shard = shard.to(device)
+    if world == 1:
+        full = shard
+    else:
+        full = torch.empty(world * shard.numel(), dtype=shard.dtype, device=device)
+        dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
+    param.data = full[:param.ds_numel].view(param.ds_shape).clone()
+    param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+@torch.no_grad()
+def write_shard_from_full(param, full):
+    """Copy this rank's shard of ``full`` (the whole parameter value) into ``param.ds_tensor``."""
+    world, rank = _dp_world()
+    shard = param.ds_shard_numel
+    flat = full.reshape(-1)
+    start = rank * shard
+    take = max(0, min(param.ds_numel - start, shard))
+    param.ds_tensor.zero_()
+    if take > 0:
+        param.ds_tensor[:take].copy_(flat[start:start + take])
+
+
+def release_param(param):
+    param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=param.data.device)
+    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+class Init:
+    """Partition parameters as modules are built, so a model larger than one device can be created.
+
+    Every ``torch.nn.Module`` subclass's ``__init__`` is wrapped while the context is
+    active: when a module's ``__init__`` returns, its own parameters are broadcast from
+    rank 0 (ranks initialise with different RNG states) and partitioned. Children are
+    partitioned when their own ``__init__`` returns, so a parent's ``__init__`` must not
+    write into its children's parameters (use ``GatheredParameters`` for that).
+    ``enabled=False`` makes the context a no-op.
+    """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
                  pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
-                 zero_param_parallel_group=None, zero_quantized_weights=False, zero_quantized_nontrainable_weights=False,
-                 sequence_data_parallel_group=None, param_swapper=None):
+                 zero_param_parallel_group=None, zero_quantized_weights=False,
+                 zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None):
         self.enabled = enabled
-        if enabled:
-            raise NotImplementedError("deepspeed.zero.Init (ZeRO stage 3 parameter partitioning) is not available "
-                                      "yet in this release; see docs/compatibility.md. Use enabled=False, or a "
-                                      "stage 0-2 config.")
+        self.dtype = dtype
+        self.group = data_parallel_group
+        self.remote_device = remote_device
+        self.pin_memory = pin_memory
+        self._patched = []
+        if module is not None and enabled:
+            self._partition_module(module)
+
+    def _shard_device(self):
+        if self.remote_device in ("cpu", ) or (self.remote_device is None and get_accelerator()._name == "cpu"):
+            return torch.device("cpu")
+        if self.remote_device == "nvme":
+            raise NotImplementedError("zero.Init(remote_device='nvme') is not supported; see docs/compatibility.md")
+        return torch.device(get_accelerator().current_device_name())
+
+    def _partition_module(self, module):
+        import deepspeed.comm as dist
+        device = self._shard_device()
+        world, _ = _dp_world()
+        for param in module.parameters(recurse=False):
+            if is_zero_param(param):
+                continue
+            if world > 1:  # ranks initialise with their own RNG: shard rank 0's values everywhere
+                with torch.no_grad():
+                    data = param.data.to(get_accelerator().current_device_name()) \
+                        if get_accelerator()._name != "cpu" else param.data
+                    dist.broadcast(data, src=0, group=self.group)
+                    param.data = data
+            partition_param(param, shard_device=device, dtype=self.dtype)
 
     def __enter__(self):
+        if not self.enabled:
+            return self
+        context = self
+
+        def wrap(cls):
+            original = cls.__dict__.get("__init__")
+            if original is None or getattr(original, "_ds_init_wrapped", False):
+                return
+
+            @functools.wraps(original)
+            def init(module, *args, **kwargs):
+                depth = getattr(module, "_ds_init_depth", 0)
+                object.__setattr__(module, "_ds_init_depth", depth + 1)
+                try:
+                    original(module, *args, **kwargs)
+                finally:
+                    object.__setattr__(module, "_ds_init_depth", depth)
+                if depth == 0:
+                    context._partition_module(module)
+
+            init._ds_init_wrapped = True
+            cls.__init__ = init
+            self._patched.append((cls, original))
+
+        def all_subclasses(cls):
+            for sub in cls.__subclasses__():
+                yield sub
+                yield from all_subclasses(sub)
+
+        for cls in set(all_subclasses(torch.nn.Module)):
+            wrap(cls)
+        self._orig_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+
+        def init_subclass(cls, **kwargs):
+            super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            wrap(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
         return self
 
     def __exit__(self, *exc):
+        if not self.enabled:
+            return False
+        for cls, original in reversed(self._patched):
+            cls.__init__ = original
+        self._patched = []
+        if self._orig_init_subclass is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = self._orig_init_subclass
         return False
 
 
 class GatheredParameters(contextlib.ContextDecorator):
-    """Make partitioned parameters whole inside the context; a no-op for unpartitioned ones."""
+    """Make partitioned parameters whole inside the context.
+
+    Plain tensors and parameters that are not partitioned are ignored. With
+    ``modifier_rank``, that rank's edits are broadcast to every rank and
+    re-partitioned on exit (also into the fp32 masters of an engine that owns them).
+    Works before ``deepspeed.initialize``.
+    """
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
         if isinstance(params, torch.Tensor):
             params = [params]
-        self.params = [p for p in (params or []) if isinstance(p, torch.Tensor)]
+        self.params = [p for p in (params or []) if isinstance(p, torch.Tensor) and is_zero_param(p)]
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        if enabled and any(_is_partitioned(p) for p in self.params):
-            raise NotImplementedError("GatheredParameters over ZeRO-3 partitioned parameters needs stage 3, which "
-                                      "is not available yet; see docs/compatibility.md")
+        self._gathered = []
 
     def __enter__(self):
+        if not self.enabled:
+            return self
+        for param in self.params:
+            if param.ds_status != ZeroParamStatus.AVAILABLE:
+                gather_param(param)
+                self._gathered.append(param)
         return self
 
     def __exit__(self, *exc):
-        if not self.enabled or self.modifier_rank is None or exc[0] is not None:
+        if not self.enabled:
             return False
         import deepspeed.comm as dist
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            with torch.no_grad():
-                for param in self.params:
-                    dist.broadcast(param.data, src=self.modifier_rank)
+        try:
+            if self.modifier_rank is not None and exc[0] is None:
+                world, _ = _dp_world()
+                with torch.no_grad():
+                    for param in self.params:
+                        if world > 1:
+                            dist.broadcast(param.data, src=self.modifier_rank)
+                        write_shard_from_full(param, param.data)
+                        owner = getattr(param, "_ds_grad_owner", None)
+                        if owner is not None:
+                            owner.engine._stage.params_modified(param)
+        finally:
+            for param in self._gathered:
+                release_param(param)
+            self._gathered = []
         return False
+
+
+def register_external_parameter(module, parameter):
+    """Declare that ``module``'s forward uses ``parameter`` (owned by another module): it is gathered with it."""
+    if not hasattr(module, "_ds_external_params"):
+        module._ds_external_params = []
+    module._ds_external_params.append(parameter)
+
+
+def unregister_external_parameter(module, parameter):
+    external = getattr(module, "_ds_external_params", [])
+    if parameter in external:
+        external.remove(parameter)

@@ -33,6 +33,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
+from deepspeed.runtime.zero.partitioned_step import PartitionedStepMixin
 
 
 class _Pass:
@@ -72,7 +73,8 @@ class PartitionedGradients:
         self.acc = torch.zeros(layout.numel, dtype=accum_dtype, device=device) if stage == 1 else None
         self._staging = {}  # stage 2: bucket index -> full-size bucket tensor
         self._late = {}
-        self._bucket_sizes = [len(b.params) for b in layout.buckets]
+        self._bucket_sizes = [sum(1 for p in b.params if p.requires_grad) for b in layout.buckets]
+        self._ready = [0] * len(layout.buckets)
         self._pass = None
         self._serial = 0
         self._pending = False  # staged contributions no pass has taken yet
@@ -85,6 +87,7 @@ class PartitionedGradients:
 
     def begin_backward(self, session):
         self._serial += 1
+        self._ready = [0] * len(self.layout.buckets)
         if self._reduce_in_backward():
             self._pass = _Pass(self._serial, len(self.layout.buckets))
             self._pending = False  # the pass takes everything staged so far
@@ -95,18 +98,22 @@ class PartitionedGradients:
         run = self._pass
         bucket = slot.bucket
         if run is not None and bucket < run.next_launch:
-            self._view(self._late, bucket, param).add_(grad, alpha=factor)
+            self._accumulate(self._late, bucket, param, grad, factor)
             self._late_dirty = True
             return
-        self._staged_view(bucket, param).add_(grad, alpha=factor)
+        self._accumulate(None, bucket, param, grad, factor)
         if run is None:
             self._pending = True
-            return
-        if slot.fired_serial != run.serial:
-            slot.fired_serial = run.serial
-            run.ready[bucket] += 1
-            if bucket == run.next_launch and run.ready[bucket] == self._bucket_sizes[bucket]:
-                self._launch_ready(run)
+        if slot.fired_serial != self._serial:
+            slot.fired_serial = self._serial
+            self._ready[bucket] += 1
+            if self._ready[bucket] == self._bucket_sizes[bucket]:
+                self._bucket_complete(bucket, run)
+
+    def _bucket_complete(self, bucket, run):
+        """Every parameter of ``bucket`` delivered its gradient in this backward."""
+        if run is not None and bucket == run.next_launch:
+            self._launch_ready(run)
 
     def end_backward(self, session):
         run = self._pass
@@ -126,19 +133,27 @@ class PartitionedGradients:
                     work.wait()
 
     # ------------------------------------------------------------ staging
-    def _view(self, store, bucket_index, param):
+    def _bucket_buffer(self, store, bucket_index):
         buf = store.get(bucket_index)
         if buf is None:
             bucket = self.layout.buckets[bucket_index]
             buf = store[bucket_index] = torch.zeros(bucket.padded, dtype=self._dtype, device=self.device)
-        slot = self.layout.slots[param]
-        start = slot.offset - self.layout.buckets[bucket_index].start
-        return buf.narrow(0, start, slot.numel).view(slot.shape)
+        return buf
 
-    def _staged_view(self, bucket_index, param):
-        if self.acc is not None:
-            return self.layout.full_view(self.acc, param)
-        return self._view(self._staging, bucket_index, param)
+    def _accumulate(self, store, bucket_index, param, grad, factor):
+        """Add ``factor * grad`` into the staging (``store`` None) or late bucket of ``param``."""
+        if store is None and self.acc is not None:
+            target = self.layout.full_view(self.acc, param)
+        else:
+            buf = self._bucket_buffer(self._staging if store is None else store, bucket_index)
+            slot = self.layout.slots[param]
+            target = buf.narrow(0, slot.offset - self.layout.buckets[bucket_index].start, slot.numel).view(slot.shape)
+        target.add_(grad, alpha=factor)
+
+    def _fold(self, bucket, out):
+        """Add a reduced chunk of ``bucket`` into this rank's gradient partition."""
+        part = self.layout.bucket_part(self.grad_parts[bucket.group], bucket)
+        part.add_(out.to(part.device, non_blocking=True) if out.device != part.device else out)
 
     def _take_staged(self, bucket):
         if self.acc is not None:
@@ -163,6 +178,8 @@ class PartitionedGradients:
 
     def _launch(self, run, bucket, staged, reusable):
         """Reduce-scatter one full bucket; ``reusable``: the staging is kept (zeroed) after the reduction."""
+        if self._bucket_sizes[bucket.index] == 0:  # nothing trainable (frozen): the same on every rank
+            return
         if staged is None:
             staged = torch.zeros(bucket.padded, dtype=self._dtype, device=self.device)
         send = staged.to(self._comm_dtype) if self._comm_dtype is not None else staged
@@ -182,8 +199,7 @@ class PartitionedGradients:
         for work, bucket, out, staged, reusable in run.works:
             if work is not None:
                 work.wait()
-            part = self.layout.bucket_part(self.grad_parts[bucket.group], bucket)
-            part.add_(out.to(part.device, non_blocking=True) if out.device != part.device else out)
+            self._fold(bucket, out)
             if reusable:
                 staged.zero_()
         run.works = []
@@ -236,7 +252,7 @@ class PartitionedGradients:
         self._late = {}
 
 
-class PartitionedStage:
+class PartitionedStage(PartitionedStepMixin):
     """Step side of stages 1 and 2 (see the module docstring); same interface as ``Stage0``."""
 
     def __init__(self, module, inner_optimizer, *, stage, accum_dtype, device, bucket_numel, group, average,
@@ -294,31 +310,8 @@ class PartitionedStage:
         if choose is not None:  # the kernel choice depends on the params' device
             for param_group in inner_optimizer.param_groups:
                 choose(param_group)
-        self._norm = None
 
     # ------------------------------------------------------------------ step
-    def finish_window(self):
-        self._norm = None
-        self.grads.finish_window()
-
-    def global_grad_norm(self):
-        if self._norm is None:
-            sq = torch.zeros((), dtype=torch.float32, device=self.device)
-            for part in self.grads.grad_parts:
-                sq += torch.linalg.vector_norm(part, 2.0, dtype=torch.float32).to(self.device).square()
-            if self.layout.world_size > 1:
-                dist.all_reduce(sq, group=self.group)
-            self._norm = sq.sqrt()
-        return self._norm
-
-    def found_overflow(self):
-        # The norm is summed over every rank's partition, so every rank reaches the same verdict.
-        return not bool(torch.isfinite(self.global_grad_norm()).item())
-
-    def scale_grads(self, coef):
-        for part in self.grads.grad_parts:
-            part.mul_(coef.to(part.device))
-
     def optimizer_step(self, inner):
         inner.step()
         self._all_gather_params()
@@ -338,12 +331,6 @@ class PartitionedStage:
         for work in works:
             work.wait()
 
-    def zero_window(self):
-        self._norm = None
-        self.grads.zero_window()
-
-    def release(self):
-        self.grads.release()
 
     # ------------------------------------------------------------- accessors
     def _gather(self, part_buffer, param):

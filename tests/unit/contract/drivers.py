@@ -41,16 +41,26 @@ class EngineDriver:
     def scaled(self, loss, i=0, retain_graph=False):
         self.engines[i].scale(loss).backward(retain_graph=retain_graph)
 
+    def zero_grad(self):
+        for engine in self.engines:
+            engine.zero_grad()
+
 
 class ReferenceDriver:
-    """Accumulates the contract's expected gradient into ``accum[i][name]`` (fp32)."""
+    """Accumulates one rank's micro-step of the contract's expected gradient into ``local[i][name]`` (fp32).
 
-    def __init__(self, models, gas, world_size, loss_scale, accum):
+    ``zero_grad()`` drops what this rank contributed so far and flags that the
+    window's earlier contributions are dropped too (every rank calls it at the same
+    point); the runner merges the ranks' ``local`` into the window afterwards.
+    """
+
+    def __init__(self, models, gas, world_size, loss_scale):
         self.models = models
         self.gas = gas
         self.world_size = world_size
         self.loss_scale = loss_scale
-        self.accum = accum
+        self.local = [{n: torch.zeros(p.shape, device=p.device) for n, p in m.named_parameters()} for m in models]
+        self.zeroed = False
         self._owned = []
         for i, model in enumerate(models):
             for name, param in model.named_parameters():
@@ -68,7 +78,7 @@ class ReferenceDriver:
             if g is None:
                 continue
             s = (1.0 / self.gas[i]) if scale_wrt_gas else 1.0
-            self.accum[i][name] += g.float() * (s / loss_scale / self.world_size)
+            self.local[i][name] += g.float() * (s / loss_scale / self.world_size)
 
     def backward(self, loss, i=0, retain_graph=False, scale_wrt_gas=True):
         self._take(loss, None, scale_wrt_gas, self.loss_scale)
@@ -78,6 +88,12 @@ class ReferenceDriver:
 
     def scaled(self, loss, i=0, retain_graph=False):
         self._take(loss, None, True, self.loss_scale)
+
+    def zero_grad(self):
+        for grads in self.local:
+            for g in grads.values():
+                g.zero_()
+        self.zeroed = True
 
 
 def protocol_context(protocol, engines, boundary):

@@ -62,9 +62,24 @@ class Reference:
                                                    foreach=False))
         self.accum = [{n: torch.zeros_like(p) for n, p in masters.items()} for masters in self.masters]
 
-    def driver(self):
+    def micro_step(self, shape, t, batch=None):
+        """Run micro-step ``t`` of ``shape`` for every rank's data and add it to the window."""
         from tests.unit.contract.drivers import ReferenceDriver
-        return ReferenceDriver(self.models, self.gas, self.world_size, self.loss_scale, self.accum)
+        from tests.unit.contract.models import make_batch
+        batch = batch or make_batch
+        drivers = []
+        for r in range(self.world_size):
+            drv = ReferenceDriver(self.models, self.gas, self.world_size, self.loss_scale)
+            shape.fn(drv, batch(r, t), t, r)
+            drivers.append(drv)
+        if any(d.zeroed for d in drivers):
+            for grads in self.accum:
+                for g in grads.values():
+                    g.zero_()
+        for drv in drivers:
+            for grads, local in zip(self.accum, drv.local):
+                for name, g in local.items():
+                    grads[name] += g
 
     def step(self, i):
         grads = self.accum[i]
@@ -90,6 +105,16 @@ def cell_device(cell):
     import deepspeed.comm as dist
     kind = cell.get("device", "cpu")
     return torch.device("cuda", dist.get_local_rank()) if kind == "cuda" else torch.device(kind)
+
+
+def _check_released(engines):
+    """ZeRO-3: after every backward, every non-persistent parameter is released again."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    for engine in engines:
+        for name, param in engine.module.named_parameters():
+            if not param.ds_persist:
+                assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.data.numel() == 0, \
+                    f"{name} is still gathered after backward"
 
 
 def run_cell(cell):
@@ -128,8 +153,9 @@ def run_cell(cell):
                     e.set_gradient_accumulation_boundary(b)
             with protocol_context(shape.protocol, engines, boundary[0]):
                 shape.fn(drv, batch(rank, t), t, rank)
-            for r in range(world):
-                shape.fn(ref.driver(), batch(r, t), t, r)
+            ref.micro_step(shape, t, batch)
+            if cell["stage"] == 3:
+                _check_released(engines)
             for i, engine in enumerate(engines):
                 # Unmanaged accumulation reduces inside step(): there the step's norm and
                 # parameters (which determine the gradient exactly under SGD) are checked.

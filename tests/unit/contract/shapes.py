@@ -71,6 +71,13 @@ def two_losses_retained(d, batch, t, rank):
     d.backward(second)
 
 
+def two_losses_retained_zero_grad(d, batch, t, rank):
+    first, second = _two_losses(d, batch)
+    d.backward(first, retain_graph=True)
+    d.zero_grad()  # discards the first backward (and the window so far)
+    d.backward(second)
+
+
 def two_losses_summed(d, batch, t, rank):
     first, second = _two_losses(d, batch)
     d.backward(first + second)
@@ -101,6 +108,12 @@ def unused_param(d, batch, t, rank):
     d.backward(lm_loss(d.fwd(0, tokens, use_aux=(rank == 0 and t % 2 == 0)), targets))
 
 
+def unused_param_all_ranks(d, batch, t, rank):
+    # the aux branch runs on every rank except in the second of every three micro-steps
+    tokens, targets = batch
+    d.backward(lm_loss(d.fwd(0, tokens, use_aux=(t % 3 != 1)), targets))
+
+
 def ckpt_reentrant(d, batch, t, rank):
     tokens, targets = batch
     d.backward(lm_loss(d.fwd(0, tokens, twice=True, ckpt="reentrant"), targets))
@@ -115,7 +128,7 @@ def non_scalar(d, batch, t, rank):
     tokens, _ = batch
     out = d.fwd(0, tokens)
     gen = torch.Generator().manual_seed(100 * rank + t)
-    d.direct(out, grad=torch.randn(out.shape, generator=gen).to(out.dtype))
+    d.direct(out, grad=torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype))
 
 
 def scale_backward(d, batch, t, rank):
@@ -148,6 +161,7 @@ SHAPES = {
         Shape("mixed_submodule", mixed_submodule),
         Shape("mixed_submodule_direct", mixed_submodule_direct),
         Shape("two_losses_retained", two_losses_retained),
+        Shape("two_losses_retained_zero_grad", two_losses_retained_zero_grad),
         Shape("two_losses_summed", two_losses_summed),
         Shape("two_engines_backward", two_engines_backward, models=("toy", "head"), gas_mult=(1, 1)),
         Shape("two_engines_direct", two_engines_direct, models=("toy", "head"), gas_mult=(1, 1)),
@@ -155,6 +169,7 @@ SHAPES = {
         Shape("two_engines_direct_diff_gas", two_engines_direct, models=("toy", "head"), gas_mult=(1, 2)),
         Shape("no_gas_scaling", no_gas_scaling),
         Shape("unused_param", unused_param),
+        Shape("unused_param_all_ranks", unused_param_all_ranks),
         Shape("ckpt_reentrant", ckpt_reentrant),
         Shape("ckpt_non_reentrant", ckpt_non_reentrant),
         Shape("tied_weights", plain, models=("tied", )),

@@ -17,13 +17,13 @@ from tests.unit.contract.runner import GRAD_TOL, LOSS_SCALE_POWER, PARAM_TOL, Re
 from tests.unit.contract.shapes import SHAPES
 
 
-def _engines(dtype, gas_list, scale_powers=None):
+def _engines(stage, dtype, gas_list, scale_powers=None):
     import deepspeed
     torch.manual_seed(0)
     models = [ToyNet(), Head()][:len(gas_list)]
     engines = []
     for i, (model, gas) in enumerate(zip(models, gas_list)):
-        cfg = make_config(dict(stage=0, dtype=dtype), gas, SHAPES["plain"])
+        cfg = make_config(dict(stage=stage, dtype=dtype, zero_extra=STAGE3_SMALL_UNITS), gas, SHAPES["plain"])
         if scale_powers is not None:
             cfg["fp16"]["initial_scale_power"] = scale_powers[i]
         engines.append(deepspeed.initialize(model=model, config=cfg)[0])
@@ -46,6 +46,9 @@ def _bad_fp16_direct(engines, tokens, targets):
     lm_loss(engines[0](tokens), targets).backward()
 
 
+# ZeRO-3 with every parameter gathered and released by units (none persistent)
+STAGE3_SMALL_UNITS = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 100}
+
 CASES = {
     "two_loss_scales": ("fp16", [1, 1], [8, 6], _bad_two_loss_scales, "two loss scales"),
     "no_gas_scaling_different_gas": ("fp32", [1, 2], None, _bad_no_gas_scaling_across_gas, "different"),
@@ -53,7 +56,7 @@ CASES = {
 }
 
 
-def error_then_train(case):
+def error_then_train(case, stage):
     import deepspeed.comm as dist
     from deepspeed.runtime.backward import BackwardContractError
     from deepspeed.runtime.backward.registry import open_sessions
@@ -61,7 +64,7 @@ def error_then_train(case):
 
     dtype, gas_list, powers, bad, needle = CASES[case]
     rank, world = dist.get_rank(), dist.get_world_size()
-    models, engines = _engines(dtype, gas_list, powers)
+    models, engines = _engines(stage, dtype, gas_list, powers)
     try:
         tokens, targets = make_batch(rank, 0)
         with pytest.raises(BackwardContractError, match=needle):
@@ -73,18 +76,17 @@ def error_then_train(case):
         engine = engines[0]
         gas = gas_list[0]
         scale = float(2**(powers[0] if powers else LOSS_SCALE_POWER)) if dtype == "fp16" else 1.0
-        ref = Reference([models[0]], {"fp32": torch.float32, "fp16": torch.float16}[dtype], [gas], world, scale)
+        # a plain model of the same shape; its values are copied from the engine below
+        ref = Reference([ToyNet()], {"fp32": torch.float32, "fp16": torch.float16}[dtype], [gas], world, scale)
         # the reference starts from the engine's current parameters
         with torch.no_grad():
             for name, param in engine.module.named_parameters():
                 ref.masters[0][name].copy_(safe_get_full_fp32_param(param))
-                dict(ref.models[0].named_parameters())[name].copy_(param)
+                dict(ref.models[0].named_parameters())[name].copy_(safe_get_full_fp32_param(param))
         for t in range(1, gas + 1):
             tokens, targets = make_batch(rank, t)
             engine.backward(lm_loss(engine(tokens), targets))
-            for r in range(world):
-                tok_r, tgt_r = make_batch(r, t)
-                ref.driver().backward(lm_loss(ref.driver().fwd(0, tok_r), tgt_r))
+            ref.micro_step(SHAPES["plain"], t)
             if t == gas:
                 for name, param in engine.module.named_parameters():
                     torch.testing.assert_close(safe_get_full_grad(param), ref.accum[0][name], **GRAD_TOL[dtype])
@@ -100,7 +102,8 @@ def error_then_train(case):
     return True
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_error_raises_on_every_rank_then_trains(case, world):
-    assert run_distributed(error_then_train, world, args=(case, ), timeout=60) == [True] * world
+def test_error_raises_on_every_rank_then_trains(case, world, stage):
+    assert run_distributed(error_then_train, world, args=(case, stage), timeout=60) == [True] * world
