@@ -1,0 +1,155 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The training systems the benchmark compares, each behind the same three calls.
+
+``make_system(name, model, hp, device)`` wraps a freshly built fp32 ``GPT`` (on ``device``) and returns an object
+with ``step(micro_batches) -> loss`` (one optimizer step over the GAS micro-batches; the returned loss is this
+rank's mean over them, a detached tensor, not synchronised) and ``close()`` (drop hooks and references so the
+memory can be freed). ``hp`` holds ``micro_batch``, ``gas``, ``lr``, ``weight_decay``, ``betas``, ``clip`` and
+``bucket_size``.
+
+* ``ds_zero0/1/2``: this package, ``deepspeed.initialize`` with a bf16 ZeRO config; ``engine.backward`` divides by
+  GAS and ``engine.step`` steps at the boundary.
+* ``fsdp2``: ``fully_shard`` on every block and on the root, bf16 compute with fp32 gradient reduction, fp32
+  sharded parameters; the loss is divided by GAS by hand and gradients are reduced every micro-step (the default).
+* ``ddp``: fp32 parameters under ``torch.autocast(bfloat16)``, ``no_sync`` on every micro-step but the last.
+
+All use AdamW (fused kernels where the device has them) and gradient clipping by global norm.
+"""
+
+import contextlib
+
+import torch
+
+from benchmarks.gpt import lm_loss
+
+SYSTEMS = ("ds_zero0", "ds_zero1", "ds_zero2", "ds_zero3", "fsdp2", "ddp")
+
+
+def make_system(name, model, hp, device):
+    if name.startswith("ds_zero"):
+        return DeepSpeedSystem(int(name[len("ds_zero"):]), model, hp)
+    if name == "fsdp2":
+        return FSDP2System(model, hp, device)
+    if name == "ddp":
+        return DDPSystem(model, hp, device)
+    raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+
+
+def _adamw(params, hp, device):
+    return torch.optim.AdamW(params,
+                             lr=hp["lr"],
+                             betas=hp["betas"],
+                             weight_decay=hp["weight_decay"],
+                             fused=device.type == "cuda")
+
+
+class DeepSpeedSystem:
+
+    def __init__(self, stage, model, hp):
+        import deepspeed
+        config = {
+            "train_micro_batch_size_per_gpu": hp["micro_batch"],
+            "gradient_accumulation_steps": hp["gas"],
+            "bf16": {
+                "enabled": True
+            },
+            "gradient_clipping": hp["clip"],
+            "steps_per_print": 1 << 30,
+            "optimizer": {
+                "type": "AdamW",
+                "params": {
+                    "lr": hp["lr"],
+                    "betas": list(hp["betas"]),
+                    "weight_decay": hp["weight_decay"]
+                }
+            },
+            "zero_optimization": {
+                "stage": stage,
+                "reduce_bucket_size": hp["bucket_size"],
+                "overlap_comm": True,
+                "contiguous_gradients": True,
+                "stage3_prefetch_bucket_size": hp.get("unit_size", int(4e7)),
+            },
+        }
+        self.engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+    def step(self, micro_batches):
+        total = 0.0
+        for tokens, targets in micro_batches:
+            loss = lm_loss(self.engine(tokens), targets)
+            self.engine.backward(loss)
+            self.engine.step()
+            total = total + loss.detach()
+        return total / len(micro_batches)
+
+    def close(self):
+        self.engine.destroy()
+        self.engine = None
+
+
+def _fully_shard_api():
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch < 2.6 kept FSDP2 under _composable
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
+
+
+class FSDP2System:
+
+    def __init__(self, model, hp, device):
+        from torch.distributed.device_mesh import init_device_mesh
+        fully_shard, MixedPrecisionPolicy = _fully_shard_api()
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(), ))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        self.model = model
+        self.gas = hp["gas"]
+        self.clip = hp["clip"]
+        self.optimizer = _adamw(model.parameters(), hp, device)
+
+    def step(self, micro_batches):
+        total = 0.0
+        for tokens, targets in micro_batches:
+            loss = lm_loss(self.model(tokens), targets)
+            (loss / self.gas).backward()
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / len(micro_batches)
+
+    def close(self):
+        self.model = self.optimizer = None
+
+
+class DDPSystem:
+
+    def __init__(self, model, hp, device):
+        from torch.nn.parallel import DistributedDataParallel
+        device_ids = [device.index] if device.type == "cuda" else None
+        self.model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        self.device_type = device.type
+        self.gas = hp["gas"]
+        self.clip = hp["clip"]
+        self.optimizer = _adamw(model.parameters(), hp, device)
+
+    def step(self, micro_batches):
+        total = 0.0
+        for i, (tokens, targets) in enumerate(micro_batches):
+            sync = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                with torch.autocast(self.device_type, dtype=torch.bfloat16):
+                    logits = self.model(tokens)
+                loss = lm_loss(logits, targets)
+                (loss / self.gas).backward()
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / len(micro_batches)
+
+    def close(self):
+        self.model = self.optimizer = None

@@ -1,0 +1,297 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Side-by-side training benchmark: the same GPT-style decoder, data and steps under several systems, on one host.
+
+Launch with ``torchrun --nproc_per_node N benchmarks/train_bench.py --systems ds_zero2,fsdp2,ddp --out bench.md``.
+The processes run the systems one after another; before each, everything of the previous one is freed, the CUDA
+cache emptied and the peak-memory counters reset. Every system starts from the same initial weights (same seed)
+and sees the same micro-batches (per rank, per step), so their losses should agree to bf16 precision.
+
+Per system: ``--warmup`` untimed optimizer steps, then ``--steps`` timed ones (each timed between
+``torch.cuda.synchronize`` calls), reported as the median step time, global tokens/s
+(micro-batch x GAS x world x seq / step time), MFU, the peak ``torch.cuda.max_memory_allocated`` (max over ranks)
+and the first and final loss (mean over ranks). A system that raises (an OOM, say) gets its error in its row and
+the others still run; a failure on some ranks only can leave the others waiting in a collective (until the
+process-group timeout, ``--pg-timeout-min``).
+
+Rank 0 prints a markdown table and JSON lines, and writes them to ``--out`` and ``<out without .md>.jsonl`` (both
+rewritten after every system).
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks.gpt import GPT, GPTConfig, count_params, flops_per_token  # noqa: E402
+from benchmarks.systems import SYSTEMS, make_system  # noqa: E402
+
+H200_BF16_DENSE_TFLOPS = 989.0
+SEED = 1234
+GIB = float(1 << 30)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--systems",
+                        default="ds_zero2,fsdp2,ddp",
+                        help=f"comma-separated, run in this order; any of {', '.join(SYSTEMS)}")
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--gas", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--bucket-size", type=float, default=5e7, help="ds_zero*: reduce_bucket_size (elements)")
+    parser.add_argument("--unit-size", type=float, default=4e7,
+                        help="ds_zero3: stage3_prefetch_bucket_size, the size of a gather/reduce unit (elements)")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--peak-tflops",
+                        type=float,
+                        default=H200_BF16_DENSE_TFLOPS,
+                        help="per-GPU dense bf16 peak the MFU is taken against")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--pg-timeout-min", type=float, default=10.0)
+    parser.add_argument("--out", default=None, help="markdown output file (JSON lines go next to it)")
+    args = parser.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    return args
+
+
+def init_distributed(args):
+    """Join the torchrun group (or make a group of one when started without torchrun); return this rank's device."""
+    if "WORLD_SIZE" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.device == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"  # this package must not pick the GPUs either
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    timeout = datetime.timedelta(minutes=args.pg_timeout_min)
+    if args.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return device
+
+
+def make_data(args, rank, device):
+    """``[step][micro] -> (tokens, targets)`` for this rank: a Zipf-like unigram stream, the same for every system.
+
+    The skewed unigram distribution gives the models something to learn within a few steps, so the losses of the
+    systems can be compared while they move.
+    """
+    probs = 1.0 / (torch.arange(args.vocab, dtype=torch.float64) + 10.0)
+    data = []
+    for step in range(args.warmup + args.steps):
+        micro = []
+        for m in range(args.gas):
+            gen = torch.Generator().manual_seed(SEED + 1_000_003 * rank + 1009 * step + m)
+            seq = torch.multinomial(probs, args.micro_batch * (args.seq + 1), replacement=True, generator=gen)
+            seq = seq.view(args.micro_batch, args.seq + 1).to(device)
+            micro.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+        data.append(micro)
+    return data
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_memory(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def bench_system(name, args, cfg, data, device):
+    """Build, train and time one system on this rank; no collectives after the last step. Returns local stats."""
+    hp = dict(micro_batch=args.micro_batch,
+              gas=args.gas,
+              lr=args.lr,
+              weight_decay=args.weight_decay,
+              betas=(0.9, 0.95),
+              clip=args.clip,
+              bucket_size=int(args.bucket_size), unit_size=int(args.unit_size))
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        model = GPT(cfg)
+    system = make_system(name, model, hp, device)
+    del model
+    try:
+        step_times, losses = [], []
+        for micro_batches in data:
+            _sync(device)
+            start = time.perf_counter()
+            loss = system.step(micro_batches)
+            _sync(device)
+            step_times.append(time.perf_counter() - start)
+            losses.append(float(loss))
+    finally:
+        system.close()
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    return dict(step_times=step_times, losses=losses, peak_mem_gib=peak)
+
+
+def run_one(name, args, cfg, data, device, world):
+    """Run one system on every rank and combine the ranks' stats (a dict; rank 0's view is the report)."""
+    _free_memory(device)
+    dist.barrier()
+    base = torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None
+    local, error = None, None
+    try:
+        local = bench_system(name, args, cfg, data, device)
+    except Exception as exc:  # OOM or anything else: report it in the row, keep going
+        error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    _free_memory(device)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (local, error))
+    row = dict(system=name, base_mem_gib=base)
+    errors = {r: e for r, (_, e) in enumerate(gathered) if e is not None}
+    if errors:
+        status = "error"
+        if name == "fsdp2" and device.type == "cpu":
+            status = "skipped (FSDP2 did not run on CPU/gloo)"
+        if len(errors) == world and len(set(errors.values())) == 1:
+            message = f"all ranks: {errors[0]}"
+        else:
+            message = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
+        row.update(status=status, error=message)
+        return row
+    timed = args.warmup
+    n_steps = len(gathered[0][0]["losses"])
+    # A step is as slow as its slowest rank; the loss is the mean over ranks.
+    step_times = [max(g[0]["step_times"][i] for g in gathered) for i in range(n_steps)]
+    losses = [sum(g[0]["losses"][i] for g in gathered) / world for i in range(n_steps)]
+    median = statistics.median(step_times[timed:])
+    tokens_per_s = args.micro_batch * args.gas * world * args.seq / median
+    row.update(status="ok",
+               median_step_s=median,
+               step_times_s=step_times[timed:],
+               warmup_times_s=step_times[:timed],
+               tokens_per_s=tokens_per_s,
+               losses=losses,
+               first_loss=losses[0],
+               final_loss=losses[-1])
+    if device.type == "cuda":
+        row["peak_mem_gib"] = max(g[0]["peak_mem_gib"] for g in gathered)
+    return row
+
+
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def render(rows, header):
+    """The markdown report: the header lines, then one table row per system."""
+    lines = list(header) + [
+        "",
+        "| system | status | median step (s) | tokens/s | MFU | peak mem/rank (GiB) | first loss | final loss |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row.get('error', '')}"
+        status = status.replace("|", "/")
+        lines.append(f"| {row['system']} | {status} | {_fmt(row.get('median_step_s'), '.3f')} | "
+                     f"{_fmt(row.get('tokens_per_s'), ',.0f')} | {_fmt(row.get('mfu'), '.1%')} | "
+                     f"{_fmt(row.get('peak_mem_gib'), '.2f')} | {_fmt(row.get('first_loss'), '.4f')} | "
+                     f"{_fmt(row.get('final_loss'), '.4f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def describe(args, cfg, world, device, n_params, n_matmul, fpt):
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
+    return [
+        f"# train_bench: {world} x {device_name}, torch {torch.__version__}",
+        "",
+        f"- model: GPT d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, vocab {cfg.vocab}, "
+        f"seq {cfg.seq}, tied head, activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}; "
+        f"{n_params / 1e6:,.1f}M parameters ({n_matmul / 1e6:,.1f}M without the position embedding)",
+        f"- batch: micro-batch {args.micro_batch} x GAS {args.gas} x {world} ranks x seq {args.seq} = "
+        f"{args.micro_batch * args.gas * world * args.seq:,} tokens per optimizer step; bf16; AdamW lr {args.lr}, "
+        f"wd {args.weight_decay}, betas (0.9, 0.95); clip {args.clip}; ds_zero* reduce_bucket_size "
+        f"{int(args.bucket_size):,}",
+        f"- timing: {args.warmup} warmup + {args.steps} timed optimizer steps; median of the timed steps "
+        f"(each the slowest rank's); losses are means over ranks",
+        f"- MFU = tokens/s / {world} ranks x (6 N + 12 L d seq) / {args.peak_tflops:g} TFLOP/s, with N = {n_matmul:,} "
+        f"(all parameters but the position embedding), L = {cfg.n_layers}, d = {cfg.d_model}, seq = {cfg.seq}: "
+        f"{fpt / 1e9:.2f} GFLOP per token",
+        "- peak mem: torch.cuda.max_memory_allocated, max over ranks, reset before each system",
+    ]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = init_distributed(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(d_model=args.d_model,
+                    n_layers=args.layers,
+                    n_heads=args.heads,
+                    vocab=args.vocab,
+                    seq=args.seq,
+                    activation_checkpointing=args.activation_checkpointing)
+    with torch.device("meta"):
+        n_params, n_matmul = count_params(GPT(cfg))
+    fpt = flops_per_token(cfg, n_matmul)
+    header = describe(args, cfg, world, device, n_params, n_matmul, fpt)
+    data = make_data(args, rank, device)
+    rows = []
+    for name in args.systems:
+        if rank == 0:
+            print(f"[train_bench] {name} ...", flush=True)
+        row = run_one(name, args, cfg, data, device, world)
+        if row["status"] == "ok" and device.type == "cuda":
+            row["mfu"] = row["tokens_per_s"] / world * fpt / (args.peak_tflops * 1e12)
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+            _write(args.out, render(rows, header), rows)
+    if rank == 0:
+        print(render(rows, header), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    # Only rank 0 reports failure: a nonzero exit of another rank would make torchrun kill rank 0 mid-report.
+    return 1 if rank == 0 and any(r["status"] == "error" for r in rows) else 0
+
+
+def _write(out, markdown, rows):
+    if not out:
+        return
+    with open(out, "w") as f:
+        f.write(markdown)
+    stem = out[:-3] if out.endswith(".md") else out
+    with open(stem + ".jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
