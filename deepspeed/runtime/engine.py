@@ -24,6 +24,7 @@ import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.backward import ownership, registry
+from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.engine_optimizer import EngineOptimizer
@@ -35,7 +36,7 @@ from deepspeed.runtime.zero.stage3 import Stage3
 from deepspeed.utils.logging import log_dist, logger
 
 
-class DeepSpeedEngine(torch.nn.Module):
+class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     """A model wrapped for DeepSpeed training (see the module docstring)."""
 
     def __init__(self, args=None, model=None, optimizer=None, model_parameters=None, training_data=None,

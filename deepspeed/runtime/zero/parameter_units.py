@@ -171,9 +171,13 @@ class UnitCoordinator:
 
     def _release(self, unit):
         for param in unit.params:
-            param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=self.device)
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
             param.ds_status = ZeroParamStatus.NOT_AVAILABLE
-        unit._full = None
+        if unit._full is not None:
+            # Free the memory in place: autograd may hold views of these parameters (a linear
+            # saves weight.t()); they keep the storage object, not its memory, and see the
+            # values again once the next gather refills the same storage.
+            unit._full.untyped_storage().resize_(0)
         unit.gathered = False
 
     # ---------------------------------------------------------------- gather
@@ -196,17 +200,23 @@ class UnitCoordinator:
         if work is not None:
             work.wait()
         rows = buffer.view(self.world_size, unit.chunk)
-        total = sum(self.world_size * s for s in unit.shard)
-        full = torch.empty(total, dtype=buffer.dtype, device=self.device)
-        at = 0
-        with torch.no_grad():
-            for param, off, s in zip(unit.params, unit.offsets, unit.shard):
+        full = unit._full
+        if full is None:
+            total = sum(self.world_size * s for s in unit.shard)
+            full = unit._full = torch.empty(total, dtype=buffer.dtype, device=self.device)
+            unit._views = []
+            at = 0
+            for param, s in zip(unit.params, unit.shard):
                 padded = full.narrow(0, at, self.world_size * s)
-                padded.view(self.world_size, s).copy_(rows[:, off:off + s])
-                param.data = padded[:param.ds_numel].view(param.ds_shape)
-                param.ds_status = ZeroParamStatus.AVAILABLE
+                unit._views.append((padded, padded[:param.ds_numel].view(param.ds_shape)))
                 at += self.world_size * s
-        unit._full = full
+        else:
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+        with torch.no_grad():
+            for param, off, s, (padded, view) in zip(unit.params, unit.offsets, unit.shard, unit._views):
+                padded.view(self.world_size, s).copy_(rows[:, off:off + s])
+                param.data = view
+                param.ds_status = ZeroParamStatus.AVAILABLE
         unit.gathered = True
         return True
 

@@ -111,7 +111,7 @@ def gather_param(param, group=None):
     else:
         full = torch.empty(world * shard.numel(), dtype=shard.dtype, device=device)
         dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
-    param.data = full[:param.ds_numel].view(param.ds_shape).clone()
+    param.data = full[:param.ds_numel].view(param.ds_shape).to(param.dtype, copy=True)
     param.ds_status = ZeroParamStatus.AVAILABLE
 
 
@@ -129,7 +129,7 @@ def write_shard_from_full(param, full):
 
 
 def release_param(param):
-    param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=param.data.device)
+    param.data = torch.empty(0, dtype=param.dtype, device=param.data.device)
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 

@@ -15,9 +15,11 @@ outlives its window and a parameter unused in a step contributes exactly zero.
 
 ``Stage3`` is the step side. Each optimizer param group's partition on a rank is the
 concatenation, in unit order, of that group's parameter shards; the 16-bit shards
-(``param.ds_tensor`` are views of it), the fp32 masters and the fp32 gradient
-partition share that layout, so a unit's piece of a group is one contiguous
-segment of each.
+(with optimizer offload; ``param.ds_tensor`` are views of it), the fp32 masters
+and the fp32 gradient partition share that layout, so a unit's piece of a group is
+one contiguous segment of each. Without offload no 16-bit shard is kept: a gather
+casts the unit's piece of the fp32 masters while copying it in, and
+``param.ds_tensor`` is a view of the master.
 """
 
 from dataclasses import dataclass
@@ -91,7 +93,7 @@ class Stage3Gradients(PartitionedGradients):
             if g < len(self.grad_parts):
                 part = self.grad_parts[g].narrow(0, part_offset, length)
                 piece = out.narrow(0, unit_offset, length)
-                part.add_(piece.to(part.device, non_blocking=True) if piece.device != part.device else piece)
+                part.add_(piece.to(part.device) if piece.device != part.device else piece)
 
     def _bucket_complete(self, bucket, run):
         self.coordinator.backward_done(self.layout.buckets[bucket])
@@ -174,6 +176,18 @@ class Stage3(PartitionedStepMixin):
             self.masters.append(master)
         for g, param_group in enumerate(inner_optimizer.param_groups):
             param_group["params"] = [self.masters[g]] if layout.group_part_numel[g] else []
+        self.model_dtype = model_dtype
+        # Where masters live beside the parameters' device, gathers read the fp32 masters and
+        # cast while copying in (as FSDP2 does): no 16-bit copy of the shards is kept.
+        self.sources = list(self.shards)
+        if self.part_device == self.param_device == device:
+            for g, master in enumerate(self.masters):
+                self.sources[g] = master.data
+                self.shards[g] = None
+            with torch.no_grad():
+                for p in all_params:
+                    slot = layout.slots[p]
+                    p.ds_tensor = self.sources[slot.group].narrow(0, slot.part_offset, slot.shard)
         choose = getattr(inner_optimizer, "_choose_kernel", None)
         if choose is not None:
             for param_group in inner_optimizer.param_groups:
@@ -185,9 +199,9 @@ class Stage3(PartitionedStepMixin):
 
     # ------------------------------------------------------------ gathering
     def _send_chunk(self, unit):
-        pieces = [self.shards[g].narrow(0, part_offset, length) for g, part_offset, _, length in unit.segments]
+        pieces = [self.sources[g].narrow(0, part_offset, length) for g, part_offset, _, length in unit.segments]
         chunk = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return chunk.to(self.device, non_blocking=True) if chunk.device != self.device else chunk
+        return chunk.to(self.device, self.model_dtype, non_blocking=True)
 
     def _gather_persistent(self):
         for unit in self.units:
@@ -199,7 +213,8 @@ class Stage3(PartitionedStepMixin):
         inner.step()
         with torch.no_grad():
             for g, master in enumerate(self.masters):
-                self.shards[g].copy_(master.data)
+                if self.shards[g] is not None:
+                    self.shards[g].copy_(master.data)
         self.coordinator.release_all()
         self._gather_persistent()
 
@@ -242,8 +257,7 @@ class Stage3(PartitionedStepMixin):
 
     def fp32_param(self, param):
         g = self._group(param)
-        source = self.masters[g].data if g < len(self.masters) else self.shards[g]
-        return self._gather(self._shard_of(source, param), param)
+        return self._gather(self._shard_of(self.sources[g], param), param)
 
     def local_fp32_param(self, param):
         return self._shard_of(self.masters[self._group(param)].data, param)
@@ -298,8 +312,8 @@ class Stage3(PartitionedStepMixin):
             if exclude_frozen_parameters and not param.requires_grad:
                 continue
             slot = self.layout.slots[param]
-            full = self._gather(self.shards[slot.group].narrow(0, slot.part_offset, slot.shard), param)
-            state[name] = full.to(param.ds_tensor.dtype).cpu()
+            full = self._gather(self.sources[slot.group].narrow(0, slot.part_offset, slot.shard), param)
+            state[name] = full.to(self.model_dtype).cpu()
         for name, buffer in self.module.named_buffers():
             state[name] = buffer.detach().cpu()
         return state

@@ -36,6 +36,11 @@ from deepspeed.runtime.zero.partition_layout import PartitionedLayout
 from deepspeed.runtime.zero.partitioned_step import PartitionedStepMixin
 
 
+# Reductions in flight at once during a pass; older ones are completed (folded into the
+# partition, their output freed) as new ones launch, so memory stays bounded.
+MAX_IN_FLIGHT = 2
+
+
 class _Pass:
 
     def __init__(self, serial, num_buckets):
@@ -131,6 +136,7 @@ class PartitionedGradients:
             for work, *_ in run.works:
                 if work is not None:
                     work.wait()
+            run.works = []
 
     # ------------------------------------------------------------ staging
     def _bucket_buffer(self, store, bucket_index):
@@ -153,7 +159,8 @@ class PartitionedGradients:
     def _fold(self, bucket, out):
         """Add a reduced chunk of ``bucket`` into this rank's gradient partition."""
         part = self.layout.bucket_part(self.grad_parts[bucket.group], bucket)
-        part.add_(out.to(part.device, non_blocking=True) if out.device != part.device else out)
+        # A device-to-host copy must be blocking: the host add reads it at once.
+        part.add_(out.to(part.device) if out.device != part.device else out)
 
     def _take_staged(self, bucket):
         if self.acc is not None:
@@ -191,17 +198,25 @@ class PartitionedGradients:
         else:
             work = dist.all_reduce(send, group=self.group, async_op=True)
             out = send.narrow(0, self.layout.rank * bucket.chunk, bucket.chunk)
-        run.works.append((work, bucket, out, staged, reusable))
-        if not self._overlap:
-            self._wait(run)
+        # Only a reusable staging (stage 1's persistent buffer) is kept, to be zeroed after the
+        # reduction; a per-bucket staging is dropped now: the process group keeps it alive until
+        # the collective is done, and the memory of a full gradient never accumulates.
+        run.works.append((work, bucket, out, staged if reusable else None))
+        limit = MAX_IN_FLIGHT if self._overlap else 0
+        while len(run.works) > limit:
+            self._complete(run.works.pop(0))
+
+    def _complete(self, entry):
+        work, bucket, out, reusable_staging = entry
+        if work is not None:
+            work.wait()
+        self._fold(bucket, out)
+        if reusable_staging is not None:
+            reusable_staging.zero_()
 
     def _wait(self, run):
-        for work, bucket, out, staged, reusable in run.works:
-            if work is not None:
-                work.wait()
-            self._fold(bucket, out)
-            if reusable:
-                staged.zero_()
+        for entry in run.works:
+            self._complete(entry)
         run.works = []
 
     def _full_pass(self, take):
