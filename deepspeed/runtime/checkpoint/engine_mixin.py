@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine's checkpoint methods: ``save_checkpoint``, ``load_checkpoint``, ``save_16bit_model``.
+
+``DeepSpeedEngine`` gets them by inheriting :class:`CheckpointEngineMixin`; :func:`attach`
+gives them to an engine class that does not (it copies the methods onto the class).
+The work is done in :mod:`saving` and :mod:`loading`; the file layout is in
+:mod:`paths`; docs/checkpoints.md describes the whole.
+"""
+
+import os
+
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+from deepspeed.runtime.checkpoint import loading, saving
+from deepspeed.runtime.checkpoint.model_state import module_state_dict
+from deepspeed.runtime.checkpoint.validate import check_dir
+from deepspeed.runtime.checkpoint.writer import atomic_torch_save
+from deepspeed.utils.logging import logger
+
+
+class CheckpointEngineMixin:
+    """Checkpoint methods of ``DeepSpeedEngine`` (ZeRO stages 0, 1 and 2)."""
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        """Collective: save the training state under ``<save_dir>/<tag>`` (default tag ``global_step{N}``).
+
+        ``save_dir`` and ``tag`` are checked on every rank before any collective; a bad or
+        differing value raises ValueError on every rank. ``client_state`` (a dict) is stored
+        in the model-states file and returned by ``load_checkpoint``. With ``save_latest``,
+        ``<save_dir>/latest`` names the tag once every rank's files are on disk. Returns True.
+        """
+        return saving.save(self,
+                           save_dir,
+                           tag=tag,
+                           client_state=client_state,
+                           save_latest=save_latest,
+                           exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self,
+                        load_dir,
+                        tag=None,
+                        load_module_strict=True,
+                        load_optimizer_states=True,
+                        load_lr_scheduler_states=True,
+                        load_module_only=False,
+                        custom_load_fn=None):
+        """Collective: restore a checkpoint; ``(path of its model-states file, client_state)``.
+
+        ``tag=None`` reads ``<load_dir>/latest``; ``(None, None)`` when there is nothing to
+        load (no ``latest``, or an explicit tag whose directory does not exist). A stage 1/2
+        checkpoint loads into any data-parallel world size and into stages 0, 1 and 2;
+        parameters are matched by name. A missing, truncated or mismatched file, or a model
+        of another shape, raises on every rank with a message naming the file.
+        """
+        return loading.load(self,
+                            load_dir,
+                            tag=tag,
+                            load_module_strict=load_module_strict,
+                            load_optimizer_states=load_optimizer_states,
+                            load_lr_scheduler_states=load_lr_scheduler_states,
+                            load_module_only=load_module_only,
+                            custom_load_fn=custom_load_fn)
+
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        """The module's state dict (live tensors), optionally without frozen parameters."""
+        if destination is not None or prefix or keep_vars:
+            state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+            if exclude_frozen_parameters:
+                for name, param in self.module.named_parameters(remove_duplicate=False):
+                    if not param.requires_grad:
+                        state.pop(prefix + name, None)
+            return state
+        return module_state_dict(self.module, exclude_frozen_parameters)
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
+        """Rank 0 writes the module's state dict (in the model's dtype) to ``<save_dir>/<save_filename>``.
+
+        Stages 0-2: not collective (as upstream); other ranks only check their arguments.
+        Stage 3: collective (the parameters are gathered); returns False without writing
+        when ``stage3_gather_16bit_weights_on_model_save`` is off. Otherwise returns True.
+        """
+        save_dir = check_dir(save_dir, "save_16bit_model")
+        if not save_filename or not str(save_filename).strip():
+            raise ValueError("save_16bit_model: save_filename is empty")
+        path = os.path.join(save_dir, str(save_filename))
+        if self.zero_optimization_stage() == 3:
+            if not self.zero_gather_16bit_weights_on_model_save():
+                logger.warning(f"save_16bit_model: did not save {path}: with ZeRO stage 3 it needs "
+                               f"zero_optimization.stage3_gather_16bit_weights_on_model_save=true")
+                return False
+            state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        else:
+            saving.check_stage(self, "save_16bit_model")
+            state = module_state_dict(self.module, exclude_frozen_parameters) if self.global_rank == 0 else None
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            atomic_torch_save(clone_tensors_for_torch_save(state), path)
+        return True
+
+
+def attach(engine_cls):
+    """Give ``engine_cls`` the methods of :class:`CheckpointEngineMixin` (no-op if it already inherits it).
+
+    For an engine class whose definition does not list the mixin; the methods are set
+    on the class, so every instance, existing or new, has them. Returns ``engine_cls``.
+    """
+    if issubclass(engine_cls, CheckpointEngineMixin):
+        return engine_cls
+    for name, value in vars(CheckpointEngineMixin).items():
+        if not name.startswith("__"):
+            setattr(engine_cls, name, value)
+    return engine_cls

@@ -1,0 +1,109 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Atomic file writes, and the test hook that pauses a save between two files.
+
+A file is written under a temporary name in its final directory, flushed to disk and
+renamed over the final name (``os.replace``, atomic on POSIX): a reader sees either
+the previous file or the complete new one, never a partial file under a checkpoint
+name. A crash leaves at most a ``.<name>.tmp-*`` file behind, which loaders ignore.
+
+Test hook: with ``DS_CHECKPOINT_TEST_PAUSE_AFTER_FILES=<n>`` in a rank's environment,
+its :class:`SaveWriter` sleeps forever once it has written ``n`` files of one save
+(``n = 0``: before the first), so that a test can kill the rank in the middle of a
+save. If ``DS_CHECKPOINT_TEST_PAUSE_MARKER`` names a path, that file is created when
+the pause begins.
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+from deepspeed.runtime.checkpoint.paths import temp_path
+
+PAUSE_AFTER_FILES_ENV = "DS_CHECKPOINT_TEST_PAUSE_AFTER_FILES"
+PAUSE_MARKER_ENV = "DS_CHECKPOINT_TEST_PAUSE_MARKER"
+
+
+def _fsync_dir(directory):
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems do not sync directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def _atomic(path, write):
+    """Run ``write(handle)`` on a temporary file, sync it, and rename it to ``path``."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def atomic_torch_save(obj, path):
+    """``torch.save(obj)`` to ``path``, atomically."""
+    _atomic(path, lambda handle: torch.save(obj, handle))
+
+
+def atomic_write_text(text, path):
+    """Write ``text`` to ``path``, atomically."""
+    _atomic(path, lambda handle: handle.write(text.encode("utf-8")))
+
+
+def atomic_copy(source, path):
+    """Copy the file ``source`` to ``path``, atomically."""
+
+    def write(handle):
+        with open(source, "rb") as src:
+            handle.write(src.read())
+
+    _atomic(path, write)
+
+
+class SaveWriter:
+    """Writes the files of one save on one rank and counts them for the test pause hook."""
+
+    def __init__(self):
+        value = os.environ.get(PAUSE_AFTER_FILES_ENV)
+        self._pause_after = int(value) if value not in (None, "") else None
+        self.written = []
+        self._maybe_pause()
+
+    def save(self, obj, path):
+        atomic_torch_save(obj, path)
+        self._wrote(path)
+
+    def write_text(self, text, path):
+        atomic_write_text(text, path)
+        self._wrote(path)
+
+    def _wrote(self, path):
+        self.written.append(path)
+        self._maybe_pause()
+
+    def _maybe_pause(self):
+        if self._pause_after is None or len(self.written) != self._pause_after:
+            return
+        sys.stderr.write(f"{PAUSE_AFTER_FILES_ENV}: pausing after {len(self.written)} file(s): {self.written}\n")
+        sys.stderr.flush()
+        marker = os.environ.get(PAUSE_MARKER_ENV)
+        if marker:
+            atomic_write_text(f"{os.getpid()}\n", marker)
+        while True:
+            time.sleep(3600)
