@@ -107,6 +107,15 @@ class UnitCoordinator:
         self._handles = []
 
     def _pre_forward(self, units, module, inputs):
+        # A forward inside a backward is an activation-checkpoint recompute. It takes no forward
+        # reference: a non-reentrant recompute stops early by raising inside the forward once it
+        # has every saved tensor, so its post-forward hook may never run. The backward hold set by
+        # the pre-backward hook (or the session epilogue) keeps and releases the unit instead.
+        # A recompute also follows the backward order: it neither traces nor prefetches.
+        if torch._C._current_graph_task_id() >= 0:
+            for unit in units:
+                self.gather(unit)
+            return
         for unit in units:
             unit.fwd_refs += 1
             self.gather(unit)
@@ -117,8 +126,9 @@ class UnitCoordinator:
                 self._prefetch_after(unit, forward=True)
 
     def _post_forward(self, units, module, inputs, output):
-        for unit in units:
-            unit.fwd_refs -= 1
+        if torch._C._current_graph_task_id() < 0:
+            for unit in units:
+                unit.fwd_refs -= 1
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(output) if t.requires_grad]
             if tensors:

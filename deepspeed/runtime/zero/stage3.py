@@ -257,7 +257,8 @@ class Stage3(PartitionedStepMixin):
 
     def fp32_param(self, param):
         g = self._group(param)
-        return self._gather(self._shard_of(self.sources[g], param), param)
+        source = self.masters[g].data if g < len(self.masters) else self.sources[g]  # never the 16-bit shards
+        return self._gather(self._shard_of(source, param), param)
 
     def local_fp32_param(self, param):
         return self._shard_of(self.masters[self._group(param)].data, param)

@@ -13,7 +13,7 @@ DIM = 8
 class ToyNet(nn.Module):
     """Embedding -> block -> block -> head, plus an auxiliary branch used only on request.
 
-    ``forward(tokens, twice=False, use_aux=False, ckpt=None, hidden=False)``:
+    ``forward(tokens, twice=False, use_aux=False, ckpt=None, hidden=False, residual=False)``:
     ``twice`` applies ``block`` a second time (a module used twice); ``use_aux`` adds
     the auxiliary branch (a parameter unused unless asked for); ``ckpt`` is None,
     "reentrant" or "non_reentrant" activation checkpointing of the blocks; ``hidden``
@@ -30,18 +30,20 @@ class ToyNet(nn.Module):
         if tie:
             self.head.weight = self.emb.weight
 
-    def body(self, h, twice=False):
+    def body(self, h, twice=False, residual=False):
         h = self.block(h)
         if twice:
             h = self.block(h) + h
-        return torch.tanh(self.block2(h))
+        # residual: the body ends in an add, which saves nothing, so a non-reentrant
+        # checkpoint stops its recompute early, inside block2 (as in a transformer block)
+        return h + self.block2(h) if residual else torch.tanh(self.block2(h))
 
-    def forward(self, tokens, twice=False, use_aux=False, ckpt=None, hidden=False):
+    def forward(self, tokens, twice=False, use_aux=False, ckpt=None, hidden=False, residual=False):
         h = self.emb(tokens)
         if ckpt is None:
-            h = self.body(h, twice)
+            h = self.body(h, twice, residual)
         else:
-            h = checkpoint(self.body, h, twice, use_reentrant=(ckpt == "reentrant"))
+            h = checkpoint(self.body, h, twice, residual, use_reentrant=(ckpt == "reentrant"))
         if use_aux:
             h = h + torch.sigmoid(self.aux(h))
         if hidden:

@@ -124,6 +124,11 @@ def ckpt_non_reentrant(d, batch, t, rank):
     d.backward(lm_loss(d.fwd(0, tokens, twice=True, ckpt="non_reentrant"), targets))
 
 
+def ckpt_early_stop(d, batch, t, rank):
+    tokens, targets = batch
+    d.backward(lm_loss(d.fwd(0, tokens, residual=True, ckpt="non_reentrant"), targets))
+
+
 def non_scalar(d, batch, t, rank):
     tokens, _ = batch
     out = d.fwd(0, tokens)
@@ -172,6 +177,7 @@ SHAPES = {
         Shape("unused_param_all_ranks", unused_param_all_ranks),
         Shape("ckpt_reentrant", ckpt_reentrant),
         Shape("ckpt_non_reentrant", ckpt_non_reentrant),
+        Shape("ckpt_early_stop", ckpt_early_stop),
         Shape("tied_weights", plain, models=("tied", )),
         Shape("non_scalar", non_scalar),
         Shape("scale_backward", scale_backward),

@@ -28,7 +28,8 @@ from tests.unit.contract.shapes import SHAPES
 FULL = os.environ.get("DS_FULL_MATRIX") == "1"
 SHAPES3 = sorted(s for s in SHAPES if s not in ("no_sync", "unused_param"))
 CORE = ["plain", "module_twice", "mixed_submodule_direct", "two_losses_retained", "two_losses_retained_zero_grad",
-        "unused_param_all_ranks", "ckpt_reentrant", "ckpt_non_reentrant", "tied_weights", "two_engines_direct"]
+        "unused_param_all_ranks", "ckpt_reentrant", "ckpt_non_reentrant", "ckpt_early_stop", "tied_weights",
+        "two_engines_direct"]
 SMALL_UNITS = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 100}
 VARIANTS = {
     "units": dict(zero_extra=SMALL_UNITS),
