@@ -57,7 +57,9 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--bucket-size", type=float, default=5e7, help="ds_zero*: reduce_bucket_size (elements)")
-    parser.add_argument("--unit-size", type=float, default=4e7,
+    parser.add_argument("--unit-size",
+                        type=float,
+                        default=4e7,
                         help="ds_zero3: stage3_prefetch_bucket_size, the size of a gather/reduce unit (elements)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -140,7 +142,8 @@ def bench_system(name, args, cfg, data, device):
               weight_decay=args.weight_decay,
               betas=(0.9, 0.95),
               clip=args.clip,
-              bucket_size=int(args.bucket_size), unit_size=int(args.unit_size))
+              bucket_size=int(args.bucket_size),
+              unit_size=int(args.unit_size))
     torch.manual_seed(SEED)
     with torch.device(device):
         model = GPT(cfg)

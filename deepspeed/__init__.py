@@ -39,9 +39,19 @@ __git_hash__ = None
 __git_branch__ = None
 
 
-def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
-               distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None, config=None,
-               mesh_param=None, config_params=None):
+def initialize(args=None,
+               model=None,
+               optimizer=None,
+               model_parameters=None,
+               training_data=None,
+               lr_scheduler=None,
+               distributed_port=29500,
+               mpu=None,
+               dist_init_required=None,
+               collate_fn=None,
+               config=None,
+               mesh_param=None,
+               config_params=None):
     """Wrap ``model`` for training; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     The config comes from ``config``, ``config_params`` (its older name) or
@@ -58,9 +68,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("deepspeed.initialize: no config given (pass config=dict/path, or args.deepspeed_config)")
     if not comm.is_initialized():
         comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=config)
+    engine = DeepSpeedEngine(args=args,
+                             model=model,
+                             optimizer=optimizer,
+                             model_parameters=model_parameters,
+                             training_data=training_data,
+                             lr_scheduler=lr_scheduler,
+                             mpu=mpu,
+                             dist_init_required=dist_init_required,
+                             collate_fn=collate_fn,
+                             config=config)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -39,9 +39,20 @@ from deepspeed.utils.logging import log_dist, logger
 class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     """A model wrapped for DeepSpeed training (see the module docstring)."""
 
-    def __init__(self, args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-                 lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
-                 config_class=None, mesh_device=None, dont_change_device=False):
+    def __init__(self,
+                 args=None,
+                 model=None,
+                 optimizer=None,
+                 model_parameters=None,
+                 training_data=None,
+                 lr_scheduler=None,
+                 mpu=None,
+                 dist_init_required=None,
+                 collate_fn=None,
+                 config=None,
+                 config_class=None,
+                 mesh_device=None,
+                 dont_change_device=False):
         super().__init__()
         if model is None:
             raise ValueError("deepspeed.initialize: model is required")
@@ -60,8 +71,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.mp_world_size = 1
         self.local_rank = dist.get_local_rank()
         self.data_parallel_group = None  # the default group
-        self.device = torch.device(get_accelerator().device_name(self.local_rank)) if get_accelerator(
-        )._name != "cpu" else torch.device("cpu")
+        self.device = torch.device(get_accelerator().device_name(
+            self.local_rank)) if get_accelerator()._name != "cpu" else torch.device("cpu")
 
         self.global_steps = 0
         self.global_samples = 0
@@ -87,8 +98,10 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None
         if self.global_rank == 0:
-            log_dist(f"DeepSpeedEngine: zero stage {self.zero_optimization_stage()}, dtype {self._dtype}, "
-                     f"GAS {self.gradient_accumulation_steps()}, dp world {self.dp_world_size}", ranks=[0])
+            log_dist(
+                f"DeepSpeedEngine: zero stage {self.zero_optimization_stage()}, dtype {self._dtype}, "
+                f"GAS {self.gradient_accumulation_steps()}, dp world {self.dp_world_size}",
+                ranks=[0])
 
     # ------------------------------------------------------------ construction
     @staticmethod
@@ -130,7 +143,10 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if client_optimizer is None:
             if cfg.optimizer_name is None:
                 return None
-            return build_optimizer(cfg.optimizer_name, params, dict(cfg.optimizer_params or {}), self.device.type,
+            return build_optimizer(cfg.optimizer_name,
+                                   params,
+                                   dict(cfg.optimizer_params or {}),
+                                   self.device.type,
                                    cpu_optimizer=self._offload_optimizer_device() == "cpu")
         if isinstance(client_optimizer, torch.optim.Optimizer):
             return client_optimizer
@@ -163,29 +179,42 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         cfg = self._config
         zero = cfg.zero_config
         accum_dtype = cfg.grad_accum_dtype or torch.float32
-        common = dict(accum_dtype=accum_dtype, device=self.device, bucket_numel=zero.reduce_bucket_size,
-                      group=self.data_parallel_group, average=cfg.gradient_allreduce_op != "sum",
-                      comm_dtype=cfg.communication_data_type, gas_fn=self.gradient_accumulation_steps,
+        common = dict(accum_dtype=accum_dtype,
+                      device=self.device,
+                      bucket_numel=zero.reduce_bucket_size,
+                      group=self.data_parallel_group,
+                      average=cfg.gradient_allreduce_op != "sum",
+                      comm_dtype=cfg.communication_data_type,
+                      gas_fn=self.gradient_accumulation_steps,
                       requires_loss_scale=cfg.fp16_enabled)
         stage = cfg.zero_optimization_stage
         if stage == 0:
             params = self._trainable_params()
-            self._stage = Stage0(params, self.basic_optimizer, reduce_in_backward_fn=self._reduce_in_backward,
+            self._stage = Stage0(params,
+                                 self.basic_optimizer,
+                                 reduce_in_backward_fn=self._reduce_in_backward,
                                  **common)
         elif stage == 3:
             offload = self._offload_optimizer_device()
             offload_param = str(getattr(zero.offload_param_device, "value", zero.offload_param_device))
             if "nvme" in (offload, offload_param):
                 raise NotImplementedError("NVMe offload is not supported; see docs/compatibility.md")
-            self._stage = Stage3(
-                self.module, self.basic_optimizer, reduce_now_fn=self._reduce_every_backward,
-                overlap_comm=bool(zero.overlap_comm), use_reduce_scatter=bool(zero.reduce_scatter),
-                unit_numel=max(1, int(zero.stage3_prefetch_bucket_size)),
-                persistence_threshold=int(zero.stage3_param_persistence_threshold), model_dtype=self._dtype,
-                offload_optimizer_device="cpu" if offload == "cpu" else None,
-                offload_param_device="cpu" if offload_param == "cpu" else None,
-                pin_memory=bool(zero.offload_optimizer is not None and zero.offload_optimizer.pin_memory),
-                **{k: v for k, v in common.items() if k != "bucket_numel"})
+            self._stage = Stage3(self.module,
+                                 self.basic_optimizer,
+                                 reduce_now_fn=self._reduce_every_backward,
+                                 overlap_comm=bool(zero.overlap_comm),
+                                 use_reduce_scatter=bool(zero.reduce_scatter),
+                                 unit_numel=max(1, int(zero.stage3_prefetch_bucket_size)),
+                                 persistence_threshold=int(zero.stage3_param_persistence_threshold),
+                                 model_dtype=self._dtype,
+                                 offload_optimizer_device="cpu" if offload == "cpu" else None,
+                                 offload_param_device="cpu" if offload_param == "cpu" else None,
+                                 pin_memory=bool(zero.offload_optimizer is not None
+                                                 and zero.offload_optimizer.pin_memory),
+                                 **{
+                                     k: v
+                                     for k, v in common.items() if k != "bucket_numel"
+                                 })
             params = self._stage.layout.params
         else:
             offload = self._offload_optimizer_device()
@@ -193,16 +222,25 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                 raise NotImplementedError("offload_optimizer.device=nvme is not supported; see "
                                           "docs/compatibility.md")
             self._stage = PartitionedStage(
-                self.module, self.basic_optimizer, stage=stage,
+                self.module,
+                self.basic_optimizer,
+                stage=stage,
                 reduce_now_fn=self._reduce_in_backward if stage == 1 else self._reduce_every_backward,
-                overlap_comm=bool(zero.overlap_comm), use_reduce_scatter=bool(zero.reduce_scatter),
+                overlap_comm=bool(zero.overlap_comm),
+                use_reduce_scatter=bool(zero.reduce_scatter),
                 offload_device="cpu" if offload == "cpu" else None,
-                pin_memory=bool(zero.offload_optimizer is not None and zero.offload_optimizer.pin_memory), **common)
+                pin_memory=bool(zero.offload_optimizer is not None and zero.offload_optimizer.pin_memory),
+                **common)
             params = self._stage.layout.params
         self._stage.grads.engine = self
-        self.optimizer = EngineOptimizer(self.basic_optimizer, self._stage, self.loss_scaler, cfg.gradient_clipping,
-                                         self.zero_grad, check_overflow=cfg.fp16_enabled)
-        self._ownership = ownership.Ownership(self._stage.grads, params,
+        self.optimizer = EngineOptimizer(self.basic_optimizer,
+                                         self._stage,
+                                         self.loss_scaler,
+                                         cfg.gradient_clipping,
+                                         self.zero_grad,
+                                         check_overflow=cfg.fp16_enabled)
+        self._ownership = ownership.Ownership(self._stage.grads,
+                                              params,
                                               clear_published=getattr(self._stage.grads, "_publish", False))
 
     def _build_lr_scheduler(self, client_scheduler):
@@ -216,12 +254,22 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                                              dict(cfg.scheduler_params or {}))
         return None
 
-    def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True, data_sampler=None,
-                     collate_fn=None, num_local_io_workers=None):
-        return DeepSpeedDataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-                                   pin_memory=pin_memory and self.device.type == "cuda", collate_fn=collate_fn,
-                                   data_sampler=data_sampler, num_local_io_workers=num_local_io_workers,
-                                   dp_rank=self.global_rank, dp_world_size=self.dp_world_size)
+    def deepspeed_io(self,
+                     dataset,
+                     batch_size=None,
+                     route=None,
+                     pin_memory=True,
+                     data_sampler=None,
+                     collate_fn=None,
+                     num_local_io_workers=None):
+        return DeepSpeedDataLoader(dataset,
+                                   batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                   pin_memory=pin_memory and self.device.type == "cuda",
+                                   collate_fn=collate_fn,
+                                   data_sampler=data_sampler,
+                                   num_local_io_workers=num_local_io_workers,
+                                   dp_rank=self.global_rank,
+                                   dp_world_size=self.dp_world_size)
 
     # ------------------------------------------------------------- properties
     def __getattr__(self, name):
@@ -301,8 +349,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
     def _reduce_in_backward(self):
         """Whether a backward running now should reduce gradients (else it only accumulates)."""
-        return (self._config.managed_gradient_accumulation and self._no_sync_depth == 0
-                and self._coalesce_depth == 0 and self.is_gradient_accumulation_boundary())
+        return (self._config.managed_gradient_accumulation and self._no_sync_depth == 0 and self._coalesce_depth == 0
+                and self.is_gradient_accumulation_boundary())
 
     def _reduce_every_backward(self):
         """Stage 2 reduces in every backward unless reduction is deferred."""

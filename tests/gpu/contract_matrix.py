@@ -26,9 +26,10 @@ OVERLAP = {"overlap_comm": True, "contiguous_gradients": True}
 OFFLOAD = dict(OVERLAP, offload_optimizer={"device": "cpu", "pin_memory": True})
 SERIAL = {"overlap_comm": False, "reduce_scatter": False}
 UNITS3 = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 100}
-SHAPES3 = ["plain", "unused_param_all_ranks", "two_losses_retained", "two_losses_retained_zero_grad",
-           "ckpt_reentrant", "ckpt_non_reentrant", "two_engines_direct", "mixed_submodule_direct", "scale_backward",
-           "tied_weights"]
+SHAPES3 = [
+    "plain", "unused_param_all_ranks", "two_losses_retained", "two_losses_retained_zero_grad", "ckpt_reentrant",
+    "ckpt_non_reentrant", "two_engines_direct", "mixed_submodule_direct", "scale_backward", "tied_weights"
+]
 
 
 def _cell(stage, shape, dtype, gas, zero_extra=None, bucket=64, tag=""):
@@ -55,8 +56,18 @@ def contract_cells():
         cell = _cell(3, shape, "bf16", 2, UNITS3, tag="-zinit")
         cell["zero_init"] = True
         cells.append(cell)
-        cells.append(_cell(3, shape, "bf16", 2, dict(UNITS3, offload_optimizer={"device": "cpu", "pin_memory": True},
-                                                      offload_param={"device": "cpu"}), tag="-offload"))
+        cells.append(
+            _cell(3,
+                  shape,
+                  "bf16",
+                  2,
+                  dict(UNITS3,
+                       offload_optimizer={
+                           "device": "cpu",
+                           "pin_memory": True
+                       },
+                       offload_param={"device": "cpu"}),
+                  tag="-offload"))
     return cells
 
 

@@ -108,6 +108,7 @@ def seed(tensor, loss_scale, scale_wrt_gas, retain_graph, source, participant):
                                     f"torch.no_grad(), or from an engine in eval mode with frozen parameters?)")
     scaled = tensor * loss_scale
     info = Seed(loss_scale=float(loss_scale), scale_wrt_gas=scale_wrt_gas, retain_graph=retain_graph, source=source)
+
     def _seed_hook(grad):
         session = registry.session_for_current_task()
         if session is not None:

@@ -42,8 +42,14 @@ class DynamicLossScaler(LossScaler):
 
     dynamic = True
 
-    def __init__(self, init_scale=2.0**16, scale_factor=2.0, scale_window=1000, min_scale=1.0, delayed_shift=2,
-                 consecutive_hysteresis=False, raise_error_at_min_scale=False):
+    def __init__(self,
+                 init_scale=2.0**16,
+                 scale_factor=2.0,
+                 scale_window=1000,
+                 min_scale=1.0,
+                 delayed_shift=2,
+                 consecutive_hysteresis=False,
+                 raise_error_at_min_scale=False):
         super().__init__(init_scale)
         self.scale_factor = float(scale_factor)
         self.scale_window = int(scale_window)

@@ -53,7 +53,10 @@ class FlatLayout:
             if current is None or (current.numel > 0 and current.numel + numel > bucket_numel):
                 current = GradBucket(index=len(self.buckets), start=offset, end=offset)
                 self.buckets.append(current)
-            self.slots[param] = ParamSlot(index=index, offset=offset, numel=numel, shape=param.shape,
+            self.slots[param] = ParamSlot(index=index,
+                                          offset=offset,
+                                          numel=numel,
+                                          shape=param.shape,
                                           bucket=current.index)
             current.params.append(param)
             offset += numel

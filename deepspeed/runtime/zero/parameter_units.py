@@ -299,6 +299,7 @@ def build_units(module, params, unit_numel, persistence_threshold, world_size, g
     order = {p: i for i, p in enumerate(module.parameters())}
     # Fixed unit order, the same on every rank: reverse registration (about backward order).
     groups.sort(key=lambda g: min(order.get(p, 0) for p in g[1]), reverse=True)
+
     # Within a unit, parameters of one optimizer group are contiguous (one segment per group).
     def by_group(p):
         return (group_of[p], order.get(p, 0))

@@ -68,11 +68,18 @@ class PartitionedLayout:
             numel = param.numel()
             if (current is None or current.group != g or (current.numel > 0 and current.numel + numel > bucket_numel)):
                 current = self._close(current)
-                current = PartitionBucket(index=len(self.buckets), group=g, start=self._end, numel=0, padded=0,
+                current = PartitionBucket(index=len(self.buckets),
+                                          group=g,
+                                          start=self._end,
+                                          numel=0,
+                                          padded=0,
                                           part_offset=self.group_part_numel[g])
                 self.buckets.append(current)
-            self.slots[param] = PartitionSlot(offset=current.start + current.numel, numel=numel, shape=param.shape,
-                                              bucket=current.index, group=g)
+            self.slots[param] = PartitionSlot(offset=current.start + current.numel,
+                                              numel=numel,
+                                              shape=param.shape,
+                                              bucket=current.index,
+                                              group=g)
             current.params.append(param)
             current.numel += numel
         self._close(current)

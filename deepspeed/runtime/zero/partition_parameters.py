@@ -144,10 +144,22 @@ class Init:
     ``enabled=False`` makes the context a no-op.
     """
 
-    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
-                 pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
-                 zero_param_parallel_group=None, zero_quantized_weights=False,
-                 zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None):
+    def __init__(self,
+                 module=None,
+                 data_parallel_group=None,
+                 mem_efficient_linear=True,
+                 remote_device=None,
+                 pin_memory=False,
+                 config_dict_or_path=None,
+                 config=None,
+                 enabled=True,
+                 dtype=None,
+                 mpu=None,
+                 zero_param_parallel_group=None,
+                 zero_quantized_weights=False,
+                 zero_quantized_nontrainable_weights=False,
+                 sequence_data_parallel_group=None,
+                 param_swapper=None):
         self.enabled = enabled
         self.dtype = dtype
         self.group = data_parallel_group

@@ -50,8 +50,8 @@ class _Pass:
 class ReplicatedGradients:
     """Gradient sink of a stage-0 engine (see the module docstring for the contract)."""
 
-    def __init__(self, params, *, accum_dtype, device, bucket_numel, group, average, comm_dtype,
-                 gas_fn, reduce_in_backward_fn, requires_loss_scale, publish_grads):
+    def __init__(self, params, *, accum_dtype, device, bucket_numel, group, average, comm_dtype, gas_fn,
+                 reduce_in_backward_fn, requires_loss_scale, publish_grads):
         self.layout = FlatLayout(params, bucket_numel)
         self.params = self.layout.params
         self.group = group
@@ -260,8 +260,14 @@ class Stage0:
         from deepspeed.runtime.precision.master_params import MasterParams
         params = list(params)
         low_precision = any(p.dtype != torch.float32 for p in params)
-        self.grads = ReplicatedGradients(params, accum_dtype=accum_dtype, device=device, bucket_numel=bucket_numel,
-                                         group=group, average=average, comm_dtype=comm_dtype, gas_fn=gas_fn,
+        self.grads = ReplicatedGradients(params,
+                                         accum_dtype=accum_dtype,
+                                         device=device,
+                                         bucket_numel=bucket_numel,
+                                         group=group,
+                                         average=average,
+                                         comm_dtype=comm_dtype,
+                                         gas_fn=gas_fn,
                                          reduce_in_backward_fn=reduce_in_backward_fn,
                                          requires_loss_scale=requires_loss_scale,
                                          publish_grads=not low_precision and accum_dtype == torch.float32)

@@ -65,7 +65,10 @@ class Stage3Layout:
                     unit.segments[-1] = (g, seg[1], seg[2], seg[3] + shard)
                 else:
                     unit.segments.append((g, part_numel[g], offset, shard))
-                self.slots[param] = UnitSlot(bucket=unit.index, unit_offset=offset, shard=shard, group=g,
+                self.slots[param] = UnitSlot(bucket=unit.index,
+                                             unit_offset=offset,
+                                             shard=shard,
+                                             group=g,
                                              part_offset=part_numel[g])
                 part_numel[g] += shard
         self.group_part_numel = part_numel[:num_groups]
@@ -118,10 +121,27 @@ class Stage3(PartitionedStepMixin):
 
     stage = 3
 
-    def __init__(self, module, inner_optimizer, *, accum_dtype, device, group, average, comm_dtype, gas_fn,
-                 reduce_now_fn, requires_loss_scale, overlap_comm, use_reduce_scatter, unit_numel,
-                 persistence_threshold, model_dtype, offload_optimizer_device=None, offload_param_device=None,
-                 pin_memory=False, bucket_numel=None):
+    def __init__(self,
+                 module,
+                 inner_optimizer,
+                 *,
+                 accum_dtype,
+                 device,
+                 group,
+                 average,
+                 comm_dtype,
+                 gas_fn,
+                 reduce_now_fn,
+                 requires_loss_scale,
+                 overlap_comm,
+                 use_reduce_scatter,
+                 unit_numel,
+                 persistence_threshold,
+                 model_dtype,
+                 offload_optimizer_device=None,
+                 offload_param_device=None,
+                 pin_memory=False,
+                 bucket_numel=None):
         self.group = group
         self.device = device
         self.module = module
@@ -145,13 +165,16 @@ class Stage3(PartitionedStepMixin):
                 elif p.ds_tensor.dtype != model_dtype:
                     p.ds_tensor = p.ds_tensor.to(model_dtype)
         units = build_units(module, all_params, unit_numel, persistence_threshold, world,
-                            {p: group_of.get(p, num_groups) for p in all_params})
+                            {p: group_of.get(p, num_groups)
+                             for p in all_params})
         self.layout = layout = Stage3Layout(units, group_of, num_groups, world, rank)
         self.units = units
 
         # 16-bit shards of every group (and of frozen parameters), unit-major; ds_tensor become views.
-        self.shards = [torch.zeros(n, dtype=model_dtype, device=self.param_device)
-                       for n in layout.group_part_numel + [layout.frozen_part_numel]]
+        self.shards = [
+            torch.zeros(n, dtype=model_dtype, device=self.param_device)
+            for n in layout.group_part_numel + [layout.frozen_part_numel]
+        ]
         with torch.no_grad():
             for p in all_params:
                 slot = layout.slots[p]
@@ -161,11 +184,20 @@ class Stage3(PartitionedStepMixin):
                 p.data = torch.empty(0, dtype=model_dtype, device=device)
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
-        self.grads = Stage3Gradients(layout, stage=3, accum_dtype=accum_dtype, device=device,
-                                     part_device=self.part_device, pin_memory=pin_memory, group=group,
-                                     average=average, comm_dtype=comm_dtype, gas_fn=gas_fn,
-                                     reduce_now_fn=reduce_now_fn, requires_loss_scale=requires_loss_scale,
-                                     overlap_comm=overlap_comm, use_reduce_scatter=use_reduce_scatter)
+        self.grads = Stage3Gradients(layout,
+                                     stage=3,
+                                     accum_dtype=accum_dtype,
+                                     device=device,
+                                     part_device=self.part_device,
+                                     pin_memory=pin_memory,
+                                     group=group,
+                                     average=average,
+                                     comm_dtype=comm_dtype,
+                                     gas_fn=gas_fn,
+                                     reduce_now_fn=reduce_now_fn,
+                                     requires_loss_scale=requires_loss_scale,
+                                     overlap_comm=overlap_comm,
+                                     use_reduce_scatter=use_reduce_scatter)
         self.masters = []
         for g in range(num_groups):
             master = self.shards[g].to(self.part_device, torch.float32, copy=True)
@@ -264,7 +296,7 @@ class Stage3(PartitionedStepMixin):
         return self._shard_of(self.masters[self._group(param)].data, param)
 
     def _write(self, buffer, param, value):
-        world, rank = self.layout.world_size, self.layout.rank
+        rank = self.layout.rank
         slot = self.layout.slots[param]
         flat = value.reshape(-1)
         start = rank * slot.shard

@@ -35,10 +35,10 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
 from deepspeed.runtime.zero.partitioned_step import PartitionedStepMixin
 
-
-# Reductions in flight at once during a pass; older ones are completed (folded into the
-# partition, their output freed) as new ones launch, so memory stays bounded.
-MAX_IN_FLIGHT = 2
+# Reductions in flight at once during a pass beside the one just launched; older ones are
+# completed (folded into the partition, their output freed) as new ones launch, so memory
+# stays bounded. Completing one only makes the compute stream wait for it on the device.
+MAX_IN_FLIGHT = 1
 
 
 class _Pass:
@@ -270,9 +270,24 @@ class PartitionedGradients:
 class PartitionedStage(PartitionedStepMixin):
     """Step side of stages 1 and 2 (see the module docstring); same interface as ``Stage0``."""
 
-    def __init__(self, module, inner_optimizer, *, stage, accum_dtype, device, bucket_numel, group, average,
-                 comm_dtype, gas_fn, reduce_now_fn, requires_loss_scale, overlap_comm, use_reduce_scatter,
-                 offload_device=None, pin_memory=False):
+    def __init__(self,
+                 module,
+                 inner_optimizer,
+                 *,
+                 stage,
+                 accum_dtype,
+                 device,
+                 bucket_numel,
+                 group,
+                 average,
+                 comm_dtype,
+                 gas_fn,
+                 reduce_now_fn,
+                 requires_loss_scale,
+                 overlap_comm,
+                 use_reduce_scatter,
+                 offload_device=None,
+                 pin_memory=False):
         self.stage = stage
         self.group = group
         self.device = device
@@ -303,11 +318,20 @@ class PartitionedStage(PartitionedStepMixin):
                 view.copy_(p.data)
                 p.data = view
 
-        self.grads = PartitionedGradients(layout, stage=stage, accum_dtype=accum_dtype, device=device,
-                                          part_device=self.part_device, pin_memory=pin_memory, group=group,
-                                          average=average, comm_dtype=comm_dtype, gas_fn=gas_fn,
-                                          reduce_now_fn=reduce_now_fn, requires_loss_scale=requires_loss_scale,
-                                          overlap_comm=overlap_comm, use_reduce_scatter=use_reduce_scatter)
+        self.grads = PartitionedGradients(layout,
+                                          stage=stage,
+                                          accum_dtype=accum_dtype,
+                                          device=device,
+                                          part_device=self.part_device,
+                                          pin_memory=pin_memory,
+                                          group=group,
+                                          average=average,
+                                          comm_dtype=comm_dtype,
+                                          gas_fn=gas_fn,
+                                          reduce_now_fn=reduce_now_fn,
+                                          requires_loss_scale=requires_loss_scale,
+                                          overlap_comm=overlap_comm,
+                                          use_reduce_scatter=use_reduce_scatter)
         self.masters = []
         for g, numel in enumerate(layout.group_part_numel):
             master = torch.zeros(numel, dtype=torch.float32, device=self.part_device)
@@ -345,7 +369,6 @@ class PartitionedStage(PartitionedStepMixin):
                 works.append(dist.all_gather_into_tensor(out, send, group=self.group, async_op=True))
         for work in works:
             work.wait()
-
 
     # ------------------------------------------------------------- accessors
     def _gather(self, part_buffer, param):

@@ -72,7 +72,10 @@ class ReferenceDriver:
 
     def _take(self, tensor, grad, scale_wrt_gas, loss_scale):
         params = [p for _, _, p in self._owned]
-        grads = torch.autograd.grad(tensor * loss_scale, params, grad_outputs=grad, retain_graph=True,
+        grads = torch.autograd.grad(tensor * loss_scale,
+                                    params,
+                                    grad_outputs=grad,
+                                    retain_graph=True,
                                     allow_unused=True)
         for (i, name, _), g in zip(self._owned, grads):
             if g is None:

@@ -21,7 +21,11 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_TOL = {"fp32": dict(rtol=1e-5, atol=1e-6), "bf16": dict(rtol=1e-2, atol=1e-4), "fp16": dict(rtol=1e-2, atol=1e-4)}
-PARAM_TOL = {"fp32": dict(rtol=1e-5, atol=1e-6), "bf16": dict(rtol=1e-3, atol=1e-4), "fp16": dict(rtol=1e-3, atol=1e-4)}
+PARAM_TOL = {
+    "fp32": dict(rtol=1e-5, atol=1e-6),
+    "bf16": dict(rtol=1e-3, atol=1e-4),
+    "fp16": dict(rtol=1e-3, atol=1e-4)
+}
 LR, MOMENTUM, CLIP = 0.1, 0.9, 1.0
 LOSS_SCALE_POWER = 8
 
@@ -32,8 +36,17 @@ def make_config(cell, gas, shape):
         "gradient_accumulation_steps": gas,
         "gradient_clipping": CLIP,
         "steps_per_print": float("inf"),
-        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
-        "zero_optimization": {"stage": cell["stage"], "reduce_bucket_size": cell.get("bucket", 64)},
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": LR,
+                "momentum": MOMENTUM
+            }
+        },
+        "zero_optimization": {
+            "stage": cell["stage"],
+            "reduce_bucket_size": cell.get("bucket", 64)
+        },
     }
     cfg.update(cell.get("zero_extra_top", {}))
     cfg["zero_optimization"].update(cell.get("zero_extra", {}))
@@ -58,8 +71,7 @@ class Reference:
         for masters in self.masters:
             for t in masters.values():
                 t.requires_grad_(True)
-            self.optimizers.append(torch.optim.SGD(list(masters.values()), lr=LR, momentum=MOMENTUM,
-                                                   foreach=False))
+            self.optimizers.append(torch.optim.SGD(list(masters.values()), lr=LR, momentum=MOMENTUM, foreach=False))
         self.accum = [{n: torch.zeros_like(p) for n, p in masters.items()} for masters in self.masters]
 
     def micro_step(self, shape, t, batch=None):
@@ -139,9 +151,7 @@ def run_cell(cell):
         return tuple(x.to(device) for x in make_batch(r, t))
 
     ref = Reference(models, dtype, gas, world, loss_scale, device)
-    engines = [
-        deepspeed.initialize(model=m, config=make_config(cell, g, shape))[0] for m, g in zip(models, gas)
-    ]
+    engines = [deepspeed.initialize(model=m, config=make_config(cell, g, shape))[0] for m, g in zip(models, gas)]
     drv = EngineDriver(engines, fp16=cell["dtype"] == "fp16")
     period = math.lcm(*gas)
     checked = 0

@@ -183,8 +183,9 @@ SHAPES = {
         Shape("scale_backward", scale_backward),
         Shape("protocol_accelerate", plain, protocol="accelerate"),
         Shape("protocol_trainer", trainer_protocol),
-        Shape("unmanaged", varying_backward_calls, protocol="unmanaged",
-              config={"managed_gradient_accumulation": False}),
+        Shape(
+            "unmanaged", varying_backward_calls, protocol="unmanaged", config={"managed_gradient_accumulation": False
+                                                                               }),
         Shape("coalesce", three_backward_calls, protocol="coalesce"),
         Shape("n_backward_per_step", three_backward_calls),
         Shape("no_sync", plain, protocol="no_sync"),

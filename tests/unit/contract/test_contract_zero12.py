@@ -23,8 +23,10 @@ from tests.unit.contract.shapes import SHAPES
 
 FULL = os.environ.get("DS_FULL_MATRIX") == "1"
 DTYPES = ["fp32", "bf16", "fp16"]
-CORE = ["plain", "unused_param", "two_losses_retained", "ckpt_reentrant", "mixed_submodule_direct",
-        "two_engines_direct_diff_gas", "unmanaged", "coalesce"]
+CORE = [
+    "plain", "unused_param", "two_losses_retained", "ckpt_reentrant", "mixed_submodule_direct",
+    "two_engines_direct_diff_gas", "unmanaged", "coalesce"
+]
 
 
 def _shapes(stage):
@@ -73,8 +75,8 @@ def _cells():
 
 
 def _id(cell):
-    opt = "" if "options" not in cell else "-opt" + "".join(str(int(x > 0)) for x in cell["options"][:4]) + (
-        "-tinybucket" if cell["options"][4] == 16 else "")
+    opt = "" if "options" not in cell else "-opt" + "".join(
+        str(int(x > 0)) for x in cell["options"][:4]) + ("-tinybucket" if cell["options"][4] == 16 else "")
     return f"z{cell['stage']}-{cell['shape']}-{cell['dtype']}-gas{cell['gas']}-w{cell['world']}{opt}"
 
 
@@ -95,8 +97,18 @@ def no_sync_on_stage2():
     import torch
     from tests.unit.contract.models import ToyNet
     torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": 2}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.1
+            }
+        },
+        "zero_optimization": {
+            "stage": 2
+        }
+    }
     engine = deepspeed.initialize(model=ToyNet(), config=cfg)[0]
     try:
         with pytest.raises(RuntimeError, match="no_sync"):

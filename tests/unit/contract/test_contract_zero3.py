@@ -27,16 +27,25 @@ from tests.unit.contract.shapes import SHAPES
 
 FULL = os.environ.get("DS_FULL_MATRIX") == "1"
 SHAPES3 = sorted(s for s in SHAPES if s not in ("no_sync", "unused_param"))
-CORE = ["plain", "module_twice", "mixed_submodule_direct", "two_losses_retained", "two_losses_retained_zero_grad",
-        "unused_param_all_ranks", "ckpt_reentrant", "ckpt_non_reentrant", "ckpt_early_stop", "tied_weights",
-        "two_engines_direct"]
+CORE = [
+    "plain", "module_twice", "mixed_submodule_direct", "two_losses_retained", "two_losses_retained_zero_grad",
+    "unused_param_all_ranks", "ckpt_reentrant", "ckpt_non_reentrant", "ckpt_early_stop", "tied_weights",
+    "two_engines_direct"
+]
 SMALL_UNITS = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 100}
 VARIANTS = {
-    "units": dict(zero_extra=SMALL_UNITS),
-    "zinit": dict(zero_extra=SMALL_UNITS, zero_init=True),
-    "persist": dict(zero_extra={"stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 100}),
-    "offload": dict(zero_extra=dict(SMALL_UNITS, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}),
-                    zero_init=True),
+    "units":
+    dict(zero_extra=SMALL_UNITS),
+    "zinit":
+    dict(zero_extra=SMALL_UNITS, zero_init=True),
+    "persist":
+    dict(zero_extra={
+        "stage3_param_persistence_threshold": 100,
+        "stage3_prefetch_bucket_size": 100
+    }),
+    "offload":
+    dict(zero_extra=dict(SMALL_UNITS, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}),
+         zero_init=True),
 }
 
 
@@ -54,7 +63,8 @@ def _cells():
 CELLS = _cells()
 
 
-@pytest.mark.parametrize("variant,cell,world", CELLS,
+@pytest.mark.parametrize("variant,cell,world",
+                         CELLS,
                          ids=[f"{v}-{c['shape']}-{c['dtype']}-gas{c['gas']}-w{w}" for v, c, w in CELLS])
 def test_contract_zero3(variant, cell, world):
     cell = dict(cell, **VARIANTS[variant])

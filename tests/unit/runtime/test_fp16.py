@@ -38,7 +38,10 @@ def _expected_scales(init, window, hysteresis, min_scale, overflows, consecutive
     [True, False, True, False, True, False, False, False, False],
 ])
 def test_dynamic_scaler_follows_the_rules(hysteresis, consecutive, pattern):
-    scaler = DynamicLossScaler(init_scale=16.0, scale_window=2, min_scale=2.0, delayed_shift=hysteresis,
+    scaler = DynamicLossScaler(init_scale=16.0,
+                               scale_window=2,
+                               min_scale=2.0,
+                               delayed_shift=hysteresis,
                                consecutive_hysteresis=consecutive)
     got = []
     for overflow in pattern:
@@ -52,8 +55,13 @@ def test_static_and_disabled_scalers():
     static = create_loss_scaler(True, 128.0, None)
     static.update_scale(True)
     assert static.loss_scale == 128.0 and not static.dynamic
-    dynamic = create_loss_scaler(True, 0, {"init_scale": 2.0**10, "scale_window": 5, "min_scale": 1.0,
-                                           "delayed_shift": 1, "consecutive_hysteresis": False})
+    dynamic = create_loss_scaler(True, 0, {
+        "init_scale": 2.0**10,
+        "scale_window": 5,
+        "min_scale": 1.0,
+        "delayed_shift": 1,
+        "consecutive_hysteresis": False
+    })
     assert dynamic.dynamic and dynamic.loss_scale == 2.0**10
 
 
@@ -65,11 +73,29 @@ def overflow_on_one_rank(stage):
     torch.manual_seed(0)
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1,
-                                                     "warmup_num_steps": 4, "warmup_type": "linear"}},
-        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
-        "zero_optimization": {"stage": stage},
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.1
+            }
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.01,
+                "warmup_max_lr": 0.1,
+                "warmup_num_steps": 4,
+                "warmup_type": "linear"
+            }
+        },
+        "fp16": {
+            "enabled": True,
+            "initial_scale_power": 8,
+            "hysteresis": 1
+        },
+        "zero_optimization": {
+            "stage": stage
+        },
     }
     engine, _, _, scheduler = deepspeed.initialize(model=ToyNet(), config=cfg)
     try:
