@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Consolidate a ZeRO 0/1/2 checkpoint into one fp32 state dict, without torch.distributed.
+"""Consolidate a ZeRO 0/1/2/3 checkpoint into one fp32 state dict, without torch.distributed.
 
 ::
 
@@ -10,7 +10,9 @@
 The fp32 value of each trainable parameter is the optimizer's fp32 master (rebuilt
 from every rank's partition for stages 1 and 2, with the layout recorded in the
 files); frozen parameters and buffers are taken from the saved module, in their
-saved dtype. The result has the keys and order of the model's ``state_dict()``,
+saved dtype. A stage-3 checkpoint keeps only buffers in its (per-rank) model-states
+files: every parameter is rebuilt from every rank's shards (trainable: the fp32
+masters; frozen: the saved 16-bit shards). The result has the keys and order of the model's ``state_dict()``,
 tied parameters included (sharing one tensor).
 
 The output is a file (a path with a ``.bin/.pt/.pth/.ckpt/.safetensors`` suffix, or an
@@ -29,6 +31,7 @@ from collections import OrderedDict
 from deepspeed.runtime.checkpoint import paths
 from deepspeed.runtime.checkpoint.reader import META_KEY, check_save_id, load_file
 from deepspeed.runtime.checkpoint.reshard import full_state_from_partitions
+from deepspeed.runtime.checkpoint.stage3_state import full_state_from_zero3
 from deepspeed.runtime.checkpoint.validate import CheckpointError
 from deepspeed.runtime.checkpoint.writer import atomic_torch_save, atomic_write_text
 
@@ -124,11 +127,41 @@ def _trainable_fp32(ds_dir, checkpoint, model_path):
     return fp32
 
 
+def _zero3_state_dict(ds_dir, model_path, exclude_frozen_parameters):
+    """The state dict of a stage-3 checkpoint (module docstring)."""
+    checkpoint = load_file(model_path, "the model states")
+    meta = checkpoint.get(META_KEY) or {}
+    files = [os.path.join(ds_dir, name) for name in meta.get("optim_files") or []]
+    if meta.get("zero_stage") != 3 or not files:
+        raise CheckpointError(f"{model_path}: not a ZeRO stage 3 model-states file of this runtime")
+    payloads = []
+    for rank, path in enumerate(files):
+        payload = load_file(path, f"the optimizer partition of rank {rank}", mmap=True)
+        check_save_id(payload, path, meta.get("save_id"))
+        payloads.append(payload["optimizer_state_dict"])
+    full, frozen = full_state_from_zero3(payloads, files, with_state=False)
+    values = dict(full.fp32)
+    if not exclude_frozen_parameters:
+        values.update(frozen)
+    shared = checkpoint.get("shared_params") or {}
+    buffers = checkpoint["module"]
+    result = OrderedDict()
+    for name in meta.get("state_dict_keys") or list(values) + list(buffers):
+        target = shared.get(name, name)
+        if target in values:
+            result[name] = values[target]
+        elif name in buffers:
+            result[name] = buffers[name]
+    for name, value in values.items():
+        result.setdefault(name, value)
+    return result
+
+
 def _fp32_state_dict(ds_dir, exclude_frozen_parameters):
     model_path = os.path.join(ds_dir, paths.MODEL_STATES_FILE)
-    if not os.path.exists(model_path) and os.path.exists(
-            os.path.join(ds_dir, paths.ZERO3_MODEL_STATES_FILE.format(rank=0))):
-        raise NotImplementedError(f"{ds_dir}: ZeRO stage 3 checkpoints are not supported yet")
+    zero3_path = os.path.join(ds_dir, paths.ZERO3_MODEL_STATES_FILE.format(rank=0))
+    if not os.path.exists(model_path) and os.path.exists(zero3_path):
+        return _zero3_state_dict(ds_dir, zero3_path, exclude_frozen_parameters)
     checkpoint = load_file(model_path, "the model states")
     fp32 = _trainable_fp32(ds_dir, checkpoint, model_path)
     frozen = set(checkpoint.get("frozen_param_shapes") or {})

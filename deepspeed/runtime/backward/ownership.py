@@ -73,7 +73,7 @@ def arm_outputs(participant, outputs):
     engine's parameters is reached, that this backward concerns the engine.
     """
     hook = functools.partial(_on_output_grad, participant)
-    for tensor in _tensors_in(outputs):
+    for tensor in tensors_in(outputs):
         if tensor.requires_grad:
             tensor.register_hook(hook)
 
@@ -84,16 +84,17 @@ def _on_output_grad(participant, grad):
         session.factor_for(participant)
 
 
-def _tensors_in(obj, depth=0):
+def tensors_in(obj, depth=0):
+    """The tensors in a module output: a tensor, or (nested up to 3 levels) lists, tuples and dicts."""
     import torch
     if isinstance(obj, torch.Tensor):
         yield obj
     elif depth < 3 and isinstance(obj, (list, tuple)):
         for item in obj:
-            yield from _tensors_in(item, depth + 1)
+            yield from tensors_in(item, depth + 1)
     elif depth < 3 and isinstance(obj, dict):
         for item in obj.values():
-            yield from _tensors_in(item, depth + 1)
+            yield from tensors_in(item, depth + 1)
 
 
 def seed(tensor, loss_scale, scale_wrt_gas, retain_graph, source, participant):

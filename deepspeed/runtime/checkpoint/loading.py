@@ -27,7 +27,7 @@ only with ``load_lr_scheduler_states``; counters (``global_steps``, ``global_sam
 
 import os
 
-from deepspeed.runtime.checkpoint import paths, stage_state
+from deepspeed.runtime.checkpoint import paths, stage3_state, stage_state
 from deepspeed.runtime.checkpoint.model_state import check_module, client_state_of, param_names
 from deepspeed.runtime.checkpoint.reader import META_KEY, check_save_id, load_file, resolve_tag
 from deepspeed.runtime.checkpoint.reshard import full_state_from_partitions, same_layout
@@ -57,6 +57,7 @@ class _Load:
         self.saved_stage = None
         self.meta = {}
         self.load_dir = None
+        self.zero3 = engine.zero_optimization_stage() == 3
 
     # ----------------------------------------------------------- phase 1
     def read(self, load_dir, tag):
@@ -65,6 +66,15 @@ class _Load:
         if self.tag is None:
             return
         self.model_path = paths.model_states_path(self.load_dir, self.tag)
+        saved_zero3 = not os.path.exists(self.model_path) and os.path.exists(
+            paths.zero3_model_states_path(self.load_dir, self.tag, 0))
+        if saved_zero3 != self.zero3:
+            raise NotImplementedError(f"{paths.tag_dir(self.load_dir, self.tag)}: loading a checkpoint of ZeRO "
+                                      f"stage {'3' if saved_zero3 else '0, 1 or 2'} into a ZeRO stage "
+                                      f"{self.engine.zero_optimization_stage()} engine is not implemented")
+        if self.zero3:
+            self._read_zero3()
+            return
         ckpt = load_file(self.model_path, "the model states")
         if not isinstance(ckpt, dict) or "module" not in ckpt:
             raise CheckpointError(f"{self.model_path}: not a model-states file (no 'module' entry)")
@@ -93,6 +103,43 @@ class _Load:
         else:
             raise CheckpointError(f"{self.model_path}: the checkpoint does not say which ZeRO stage wrote it; it was "
                                   f"not written by this runtime. Load with load_module_only=True")
+
+    def _read_zero3(self):
+        """Stage 3: this rank's model-states file (rank 0's when the save had fewer ranks), own optimizer file."""
+        engine = self.engine
+        dp_rank = engine._stage.layout.rank
+        own = paths.zero3_model_states_path(self.load_dir, self.tag, dp_rank)
+        self.model_path = own if os.path.exists(own) else paths.zero3_model_states_path(self.load_dir, self.tag, 0)
+        ckpt = load_file(self.model_path, "the model states")
+        if not isinstance(ckpt, dict) or "module" not in ckpt:
+            raise CheckpointError(f"{self.model_path}: not a model-states file (no 'module' entry)")
+        self.meta = meta = ckpt.get(META_KEY) or {}
+        if meta.get("zero_stage") != 3:
+            raise CheckpointError(f"{self.model_path}: not a ZeRO stage 3 model-states file of this runtime")
+        if self.model_path == own and dp_rank >= len(meta.get("model_files") or []):
+            raise CheckpointError(f"{own}: left over from another save (the checkpoint has "
+                                  f"{len(meta.get('model_files') or [])} ranks)")
+        self.checkpoint = ckpt
+        self.saved_stage = 3
+        stage3_state.check_zero3_module(ckpt, engine.module, self.strict, self.model_path)
+        if self.module_only:
+            self.load_optimizer_states = False
+        files = self._optim_files()
+        self.needs_all_files = True
+        if len(files) != engine._stage.layout.world_size:
+            return
+        path = files[dp_rank]
+        payload = load_file(path, f"the optimizer partition of rank {dp_rank}")
+        check_save_id(payload, path, meta.get("save_id"))
+        saved = payload.get("optimizer_state_dict") if isinstance(payload, dict) else None
+        if not isinstance(saved, dict) or stage3_state.LAYOUT3_KEY not in saved:
+            raise CheckpointError(f"{path}: not a ZeRO stage 3 optimizer file of this runtime (no layout)")
+        own_layout = stage3_state.describe_zero3_layout(engine._stage, self.name_of)
+        if not stage3_state.same_zero3_layout(saved[stage3_state.LAYOUT3_KEY], own_layout):
+            return
+        self.scaler = saved
+        self.apply_optimizer = stage3_state.prepare_zero3_same_layout(engine, saved, self.load_optimizer_states, path)
+        self.needs_all_files = False
 
     def _trainable_names(self):
         return [self.name_of[p] for group in stage_state.trainable_groups(self.engine) for p in group]
@@ -154,8 +201,14 @@ class _Load:
             if not isinstance(saved, dict):
                 raise CheckpointError(f"{path}: not an optimizer file (no 'optimizer_state_dict' entry)")
             payloads.append(saved)
-        full = full_state_from_partitions(payloads, files, with_state=self.load_optimizer_states)
         self.scaler = payloads[0]
+        if self.saved_stage == 3:
+            full, frozen = stage3_state.full_state_from_zero3(payloads, files, with_state=self.load_optimizer_states)
+            self.apply_optimizer = stage3_state.prepare_zero3_full(self.engine, full, frozen,
+                                                                   self.load_optimizer_states, self.name_of,
+                                                                   paths.tag_dir(self.load_dir, self.tag))
+            return
+        full = full_state_from_partitions(payloads, files, with_state=self.load_optimizer_states)
         self.apply_optimizer = self._prepare_full(full, paths.tag_dir(self.load_dir, self.tag))
 
     # -------------------------------------------------------------- apply
@@ -166,6 +219,8 @@ class _Load:
         engine.zero_grad()
         if self.custom_load_fn is not None:
             self.custom_load_fn(src=ckpt["module"], dst=engine.module)
+        elif self.zero3:  # the saved module holds the buffers; parameters come from the optimizer files
+            engine.module.load_state_dict(ckpt["module"], strict=False)
         else:
             engine.module.load_state_dict(ckpt["module"], strict=self.strict)
 
@@ -181,7 +236,8 @@ class _Load:
                     stage_state.refresh_partitioned(engine)
             elif self.apply_optimizer is not None:
                 self.apply_optimizer()
-                stage_state.import_scaler(engine, self.scaler)
+                if not self.module_only:
+                    stage_state.import_scaler(engine, self.scaler)
         if self.module_only:
             return
         if load_lr_scheduler_states and engine.lr_scheduler is not None and ckpt.get("lr_scheduler") is not None:

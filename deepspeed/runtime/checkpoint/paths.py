@@ -5,7 +5,8 @@
 
     <dir>/latest                                            the tag of the newest complete checkpoint
     <dir>/<tag>/mp_rank_00_model_states.pt                  module, counters, scheduler, config, client state
-    <dir>/<tag>/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt   ZeRO 1/2: data-parallel rank r's partition
+    <dir>/<tag>/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt   ZeRO 1/2/3: data-parallel rank r's partition
+    <dir>/<tag>/zero_pp_rank_{r}_mp_rank_00_model_states.pt          ZeRO 3 (instead of mp_rank_00_...): per rank
 
 Temporary files are written next to their final name (same directory, so the final
 rename is atomic) and carry a ``.tmp-`` infix that no checkpoint file name has.
@@ -38,6 +39,11 @@ def latest_path(root):
 
 def model_states_path(root, tag):
     return os.path.join(tag_dir(root, tag), MODEL_STATES_FILE)
+
+
+def zero3_model_states_path(root, tag, dp_rank):
+    """ZeRO stage 3: ``zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt`` (one per data-parallel rank)."""
+    return os.path.join(tag_dir(root, tag), ZERO3_MODEL_STATES_FILE.format(rank=dp_rank))
 
 
 def optim_states_name(dp_rank, bf16=False):

@@ -19,9 +19,13 @@ two saves, thanks to the save id).
 
 import os
 import uuid
+from collections import OrderedDict
+
+import torch
 
 from deepspeed.runtime.checkpoint import paths
-from deepspeed.runtime.checkpoint.model_state import build_model_states, check_client_state, param_names
+from deepspeed.runtime.checkpoint.model_state import buffer_names, build_model_states, check_client_state, param_names
+from deepspeed.runtime.checkpoint.stage3_state import export_zero3
 from deepspeed.runtime.checkpoint.stage_state import export_partitioned, export_stage0, trainable_groups
 from deepspeed.runtime.checkpoint.validate import agree, check_dir, check_tag, require_same
 from deepspeed.runtime.checkpoint.writer import SaveWriter, atomic_copy
@@ -31,9 +35,9 @@ from deepspeed.utils.logging import logger
 def check_stage(engine, what):
     """NotImplementedError for stages this checkpoint code does not handle (the same on every rank)."""
     stage = engine.zero_optimization_stage()
-    if stage == 3:
-        raise NotImplementedError(f"{what}: checkpoints of ZeRO stage 3 are not implemented yet")
-    if stage not in (0, 1, 2):
+    if stage == 3 and engine._stage is None:
+        raise NotImplementedError(f"{what}: ZeRO stage 3 checkpoints need an optimizer")
+    if stage not in (0, 1, 2, 3):
         raise NotImplementedError(f"{what}: unknown ZeRO stage {stage}")
     return stage
 
@@ -87,6 +91,9 @@ def _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_par
     name_of = param_names(engine.module)
     bf16 = bool(engine.bfloat16_enabled())
     os.makedirs(paths.tag_dir(save_dir, tag), exist_ok=True)
+    if stage == 3:
+        _write_zero3_files(engine, writer, save_dir, tag, client_state, exclude_frozen_parameters, save_id, name_of)
+        return
     if rank == 0:
         meta = dict(save_id=save_id,
                     zero_stage=stage,
@@ -105,6 +112,37 @@ def _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_par
         dp_rank = engine._stage.layout.rank
         writer.save(export_partitioned(engine, name_of, save_id),
                     paths.optim_states_path(save_dir, tag, dp_rank, bf16))
+
+
+def _write_zero3_files(engine, writer, save_dir, tag, client_state, exclude_frozen_parameters, save_id, name_of):
+    """Stage 3: every rank writes its model-states file (no parameters) and its optimizer file."""
+    bf16 = bool(engine.bfloat16_enabled())
+    world = engine.dp_world_size
+    dp_rank = engine._stage.layout.rank
+    meta = dict(save_id=save_id,
+                zero_stage=3,
+                has_optimizer=True,
+                bf16=bf16,
+                fp16=bool(engine.fp16_enabled()),
+                optim_files=[paths.optim_states_name(r, bf16) for r in range(world)],
+                model_files=[paths.ZERO3_MODEL_STATES_FILE.format(rank=r) for r in range(world)],
+                state_dict_keys=list(engine.module.state_dict().keys()))
+    states = build_model_states(engine, trainable_groups(engine), exclude_frozen_parameters, None, meta,
+                                client_state)
+    # stage-3 parameters hold no data outside a gather: shapes are the full ones (``ds_shape``)
+    states["param_shapes"] = [
+        OrderedDict((name_of[p], torch.Size(p.ds_shape)) for p in group) for group in trainable_groups(engine)
+    ]
+    states["frozen_param_shapes"] = OrderedDict(
+        (name, torch.Size(p.ds_shape)) for name, p in engine.module.named_parameters() if not p.requires_grad)
+    persistent = set(buffer_names(engine.module))
+    states["module"] = {
+        name: buf.detach().cpu().clone()
+        for name, buf in engine.module.named_buffers() if name in persistent
+    }
+    writer.save(states, paths.zero3_model_states_path(save_dir, tag, dp_rank))
+    writer.save(export_zero3(engine, name_of, save_id, exclude_frozen_parameters),
+                paths.optim_states_path(save_dir, tag, dp_rank, bf16))
 
 
 def _copy_recovery_script(save_dir):

@@ -33,6 +33,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.backward import registry
+from deepspeed.runtime.backward.ownership import tensors_in
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 
@@ -130,7 +131,7 @@ class UnitCoordinator:
             for unit in units:
                 unit.fwd_refs -= 1
         if torch.is_grad_enabled():
-            tensors = [t for t in _tensors(output) if t.requires_grad]
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:
                 hook = functools.partial(self._pre_backward, units)
                 for t in tensors:
@@ -247,17 +248,6 @@ class UnitCoordinator:
             candidate = self._trace[nxt]
             if not candidate.gathered and candidate._inflight is None and not candidate.persistent:
                 self._launch_gather(candidate)
-
-
-def _tensors(obj, depth=0):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 3 and isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item, depth + 1)
 
 
 def build_units(module, params, unit_numel, persistence_threshold, world_size, group_of):

@@ -12,6 +12,30 @@ import torch
 import deepspeed.comm as dist
 
 
+def host_buffer(tensor, pin_memory):
+    """``tensor``, page-locked if asked for, on the CPU and with a GPU to copy to."""
+    if pin_memory and tensor.device.type == "cpu" and torch.cuda.is_available():
+        return tensor.pin_memory()
+    return tensor
+
+
+def master_partition(values, grad, pin_memory):
+    """An fp32 master partition (an optimizer parameter) holding ``values``, whose gradient is ``grad``."""
+    master = torch.nn.Parameter(host_buffer(values, pin_memory))
+    master.grad = grad
+    return master
+
+
+def point_optimizer_at(inner, masters, nonempty):
+    """Make param group ``g`` of ``inner`` step ``masters[g]`` (the group dicts themselves are kept)."""
+    for g, param_group in enumerate(inner.param_groups):
+        param_group["params"] = [masters[g]] if nonempty[g] else []
+    choose = getattr(inner, "_choose_kernel", None)
+    if choose is not None:  # the fused/foreach choice depends on the parameters' device
+        for param_group in inner.param_groups:
+            choose(param_group)
+
+
 class PartitionedStepMixin:
 
     _norm = None

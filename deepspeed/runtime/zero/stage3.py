@@ -31,7 +31,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.parameter_units import UnitCoordinator, build_units
 from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zero_param, partition_param,
                                                          write_shard_from_full)
-from deepspeed.runtime.zero.partitioned_step import PartitionedStepMixin
+from deepspeed.runtime.zero.partitioned_step import PartitionedStepMixin, master_partition, point_optimizer_at
 from deepspeed.runtime.zero.stage_1_and_2 import PartitionedGradients
 
 
@@ -200,14 +200,9 @@ class Stage3(PartitionedStepMixin):
                                      use_reduce_scatter=use_reduce_scatter)
         self.masters = []
         for g in range(num_groups):
-            master = self.shards[g].to(self.part_device, torch.float32, copy=True)
-            if pin_memory and self.part_device.type == "cpu" and torch.cuda.is_available():
-                master = master.pin_memory()
-            master = torch.nn.Parameter(master)
-            master.grad = self.grads.grad_parts[g]
-            self.masters.append(master)
-        for g, param_group in enumerate(inner_optimizer.param_groups):
-            param_group["params"] = [self.masters[g]] if layout.group_part_numel[g] else []
+            values = self.shards[g].to(self.part_device, torch.float32, copy=True)
+            self.masters.append(master_partition(values, self.grads.grad_parts[g], pin_memory))
+        point_optimizer_at(inner_optimizer, self.masters, layout.group_part_numel)
         self.model_dtype = model_dtype
         # Where masters live beside the parameters' device, gathers read the fp32 masters and
         # cast while copying in (as FSDP2 does): no 16-bit copy of the shards is kept.
@@ -220,11 +215,6 @@ class Stage3(PartitionedStepMixin):
                 for p in all_params:
                     slot = layout.slots[p]
                     p.ds_tensor = self.sources[slot.group].narrow(0, slot.part_offset, slot.shard)
-        choose = getattr(inner_optimizer, "_choose_kernel", None)
-        if choose is not None:
-            for param_group in inner_optimizer.param_groups:
-                choose(param_group)
-
         self.coordinator = UnitCoordinator(module, units, self._send_chunk, self.grads, group, device)
         self.grads.coordinator = self.coordinator
         self._gather_persistent()

@@ -33,7 +33,8 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
-from deepspeed.runtime.zero.partitioned_step import PartitionedStepMixin
+from deepspeed.runtime.zero.partitioned_step import (PartitionedStepMixin, host_buffer, master_partition,
+                                                     point_optimizer_at)
 
 # Reductions in flight at once during a pass beside the one just launched; older ones are
 # completed (folded into the partition, their output freed) as new ones launch, so memory
@@ -71,10 +72,7 @@ class PartitionedGradients:
         self._use_reduce_scatter = use_reduce_scatter
         self.grad_parts = []
         for numel in layout.group_part_numel:
-            part = torch.zeros(numel, dtype=accum_dtype, device=part_device)
-            if pin_memory and part_device.type == "cpu" and torch.cuda.is_available():
-                part = part.pin_memory()
-            self.grad_parts.append(part)
+            self.grad_parts.append(host_buffer(torch.zeros(numel, dtype=accum_dtype, device=part_device), pin_memory))
         self.acc = torch.zeros(layout.numel, dtype=accum_dtype, device=device) if stage == 1 else None
         self._staging = {}  # stage 2: bucket index -> full-size bucket tensor
         self._late = {}
@@ -338,17 +336,8 @@ class PartitionedStage(PartitionedStepMixin):
             for bucket in layout.buckets:
                 if bucket.group == g:
                     layout.bucket_part(master, bucket).copy_(layout.bucket_own_chunk_full(self.flat_params, bucket))
-            if pin_memory and self.part_device.type == "cpu" and torch.cuda.is_available():
-                master = master.pin_memory()
-            master = torch.nn.Parameter(master)
-            master.grad = self.grads.grad_parts[g]
-            self.masters.append(master)
-        for g, param_group in enumerate(inner_optimizer.param_groups):
-            param_group["params"] = [self.masters[g]] if groups[g] else []
-        choose = getattr(inner_optimizer, "_choose_kernel", None)
-        if choose is not None:  # the kernel choice depends on the params' device
-            for param_group in inner_optimizer.param_groups:
-                choose(param_group)
+            self.masters.append(master_partition(master, self.grads.grad_parts[g], pin_memory))
+        point_optimizer_at(inner_optimizer, self.masters, [bool(g) for g in groups])
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self, inner):
