@@ -2,6 +2,7 @@
 """DeepSpeed-compatible training runtime whose gradients are right for every way backward is called."""
 
 import os as _os
+import sys as _sys
 
 from deepspeed import comm  # noqa: F401
 from deepspeed import ops  # noqa: F401
@@ -14,6 +15,9 @@ from deepspeed.runtime.activation_checkpointing import checkpointing  # noqa: F4
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: F401
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: F401
 from deepspeed.utils import log_dist, logger  # noqa: F401
+
+# `import deepspeed.checkpointing` works too, not only the attribute.
+_sys.modules.setdefault(__name__ + ".checkpointing", checkpointing)
 
 
 def _read_version():
