@@ -47,7 +47,6 @@ class _Pass:
     def __init__(self, serial, num_buckets):
         self.serial = serial
         self.next_launch = 0
-        self.ready = [0] * num_buckets
         self.works = []
 
 
@@ -171,7 +170,7 @@ class PartitionedGradients:
     # ------------------------------------------------------------ reduction
     def _launch_ready(self, run):
         buckets = self.layout.buckets
-        while run.next_launch < len(buckets) and run.ready[run.next_launch] == self._bucket_sizes[run.next_launch]:
+        while run.next_launch < len(buckets) and self._ready[run.next_launch] == self._bucket_sizes[run.next_launch]:
             self._launch(run, buckets[run.next_launch], *self._take_staged(buckets[run.next_launch]))
             run.next_launch += 1
 
