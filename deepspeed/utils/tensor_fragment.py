@@ -37,6 +37,10 @@ def safe_set_full_grad(param, value):
 def safe_get_full_fp32_param(param):
     stage = _stage(param)
     if stage is None:
+        if hasattr(param, "ds_id"):  # a ZeRO-3 parameter no engine trains (frozen): gather it
+            from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+            with GatheredParameters([param]):
+                return param.detach().float().clone()
         return param.detach().float().clone()
     return stage.fp32_param(param).detach().float().clone()
 
