@@ -18,7 +18,7 @@ from deepspeed.utils.logging import logger
 
 
 class CheckpointEngineMixin:
-    """Checkpoint methods of ``DeepSpeedEngine`` (ZeRO stages 0, 1 and 2)."""
+    """Checkpoint methods of ``DeepSpeedEngine`` (ZeRO stages 0 to 3)."""
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         """Collective: save the training state under ``<save_dir>/<tag>`` (default tag ``global_step{N}``).

@@ -6,8 +6,9 @@
    the tags differ. Rank 0's random save id goes to all.
 2. Every rank creates ``<save_dir>/<tag>``; rank 0 writes ``mp_rank_00_model_states.pt``
    (with the optimizer state for stage 0); for stages 1/2 every rank writes its own
-   optimizer file. Each file is written under a temporary name and renamed (``writer``),
-   and carries the save id.
+   optimizer file; for stage 3 every rank writes its own model-states file (buffers, no
+   parameters) and its own optimizer file (``stage3_state``). Each file is written
+   under a temporary name and renamed (``writer``), and carries the save id.
 3. The ranks agree again (a barrier that also carries write errors).
 4. Rank 0 writes ``latest`` (when ``save_latest``), then a last agreement: when
    ``save_checkpoint`` returns on any rank, the whole checkpoint and ``latest`` are on disk.
