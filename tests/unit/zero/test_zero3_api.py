@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ZeRO-3 construction and gathering API: zero.Init, GatheredParameters, register_external_parameter."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.unit.common import run_distributed
+
+STAGE3 = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                "stage3_prefetch_bucket_size": 10}}
+
+
+class Pair(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def init_and_gather():
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(100 + rank)  # ranks draw different values: Init must take rank 0's
+    with deepspeed.zero.Init():
+        model = Pair()
+    weight = model.a.weight
+    assert weight.ds_status == ZeroParamStatus.NOT_AVAILABLE and weight.data.numel() == 0
+    assert tuple(weight.ds_shape) == (5, 6) and weight.ds_tensor.numel() == -(-30 // world)
+    torch.manual_seed(100)  # rank 0's construction, redone locally as the reference
+    expected = Pair()
+    plain = torch.ones(3)
+    with deepspeed.zero.GatheredParameters([weight, model.a.bias, plain]):  # plain tensors are ignored
+        torch.testing.assert_close(weight.data, expected.a.weight.data, rtol=0, atol=0)
+        torch.testing.assert_close(model.a.bias.data, expected.a.bias.data, rtol=0, atol=0)
+    assert weight.data.numel() == 0, "released again on exit"
+    # modifier_rank: rank 0's edit reaches every rank and is re-partitioned
+    with deepspeed.zero.GatheredParameters(weight, modifier_rank=0):
+        if rank == 0:
+            weight.data.fill_(0.25)
+        else:
+            weight.data.fill_(-7.0)  # ignored: only the modifier's values count
+    with deepspeed.zero.GatheredParameters(weight):
+        assert torch.all(weight.data == 0.25)
+    # the edited model trains as a stage-3 engine from the edited values
+    engine = deepspeed.initialize(model=model, config=STAGE3)[0]
+    from deepspeed.utils import safe_get_full_fp32_param
+    assert torch.all(safe_get_full_fp32_param(engine.module.a.weight) == 0.25)
+    x = torch.ones(2, 6)
+    engine.backward(engine(x).sum())
+    engine.step()
+    engine.destroy()
+    with deepspeed.zero.Init(enabled=False):
+        unpartitioned = Pair()
+    assert not hasattr(unpartitioned.a.weight, "ds_id") and unpartitioned.a.weight.numel() == 30
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_init_and_gathered_parameters(world):
+    assert run_distributed(init_and_gather, world, timeout=90) == [True] * world
+
+
+class External(nn.Module):
+    """``head`` uses ``emb.weight`` functionally, outside ``emb``: declared with register_external_parameter."""
+
+    def __init__(self, register):
+        super().__init__()
+        self.emb = nn.Embedding(11, 4)
+        self.mix = nn.Linear(4, 4)
+        self.head = Head(self.emb)
+        if register:
+            import deepspeed
+            deepspeed.zero.register_external_parameter(self.head, self.emb.weight)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.emb(tokens))))
+
+
+class Head(nn.Module):
+
+    def __init__(self, emb):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self._emb = [emb]  # not a submodule: the weight is used "externally"
+
+    def forward(self, h):
+        return F.linear(h * self.scale, self._emb[0].weight)
+
+
+def external_parameter():
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.utils import safe_get_full_grad
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    reference = External(register=False)
+    torch.manual_seed(0)
+    model = External(register=True)
+    engine = deepspeed.initialize(model=model, config=STAGE3)[0]
+    try:
+        tokens = torch.arange(6).view(2, 3) % 11
+        engine.backward(engine(tokens).pow(2).mean())
+        loss = sum(reference(tokens).pow(2).mean() for _ in range(world)) / world  # same data on every rank
+        grads = torch.autograd.grad(loss, list(reference.parameters()))
+        for (name, param), expected in zip(engine.module.named_parameters(), grads):
+            torch.testing.assert_close(safe_get_full_grad(param), expected, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        engine.destroy()
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_register_external_parameter(world):
+    assert run_distributed(external_parameter, world, timeout=90) == [True] * world
