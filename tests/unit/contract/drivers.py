@@ -54,10 +54,10 @@ class ReferenceDriver:
     point); the runner merges the ranks' ``local`` into the window afterwards.
     """
 
-    def __init__(self, models, gas, world_size, loss_scale):
+    def __init__(self, models, gas, divisor, loss_scale):
         self.models = models
         self.gas = gas
-        self.world_size = world_size
+        self.divisor = divisor  # W for a mean reduction, 1 for a sum
         self.loss_scale = loss_scale
         self.local = [{n: torch.zeros(p.shape, device=p.device) for n, p in m.named_parameters()} for m in models]
         self.zeroed = False
@@ -81,7 +81,7 @@ class ReferenceDriver:
             if g is None:
                 continue
             s = (1.0 / self.gas[i]) if scale_wrt_gas else 1.0
-            self.local[i][name] += g.float() * (s / loss_scale / self.world_size)
+            self.local[i][name] += g.float() * (s / loss_scale / self.divisor)
 
     def backward(self, loss, i=0, retain_graph=False, scale_wrt_gas=True):
         self._take(loss, None, scale_wrt_gas, self.loss_scale)

@@ -20,8 +20,10 @@ class ToyNet(nn.Module):
     returns the features instead of logits.
     """
 
-    def __init__(self, tie=False):
+    def __init__(self, tie=False, empty=False):
         super().__init__()
+        # a zero-sized parameter (it is used, and its gradient has no elements)
+        self.nothing = nn.Parameter(torch.zeros(0)) if empty else None
         self.emb = nn.Embedding(VOCAB, DIM)
         self.block = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
         self.block2 = nn.Linear(DIM, DIM)
@@ -40,6 +42,8 @@ class ToyNet(nn.Module):
 
     def forward(self, tokens, twice=False, use_aux=False, ckpt=None, hidden=False, residual=False):
         h = self.emb(tokens)
+        if self.nothing is not None:
+            h = h + self.nothing.sum()
         if ckpt is None:
             h = self.body(h, twice, residual)
         else:

@@ -61,10 +61,11 @@ def make_config(cell, gas, shape):
 class Reference:
     """Plain-torch training of the same models: the expected gradients and parameters."""
 
-    def __init__(self, models, dtype, gas, world_size, loss_scale, device=None):
+    def __init__(self, models, dtype, gas, world_size, loss_scale, device=None, divisor=None):
         self.models = [copy.deepcopy(m).to(device=device, dtype=dtype) for m in models]
         self.gas = gas
         self.world_size = world_size
+        self.divisor = world_size if divisor is None else divisor  # 1 for gradient_allreduce_op "sum"
         self.loss_scale = loss_scale
         self.masters = [{n: p.detach().float().clone() for n, p in m.named_parameters()} for m in self.models]
         self.optimizers = []
@@ -81,7 +82,7 @@ class Reference:
         batch = batch or make_batch
         drivers = []
         for r in range(self.world_size):
-            drv = ReferenceDriver(self.models, self.gas, self.world_size, self.loss_scale)
+            drv = ReferenceDriver(self.models, self.gas, self.divisor, self.loss_scale)
             shape.fn(drv, batch(r, t), t, r)
             drivers.append(drv)
         if any(d.zeroed for d in drivers):
@@ -150,7 +151,8 @@ def run_cell(cell):
     def batch(r, t):
         return tuple(x.to(device) for x in make_batch(r, t))
 
-    ref = Reference(models, dtype, gas, world, loss_scale, device)
+    summed = cell.get("zero_extra_top", {}).get("gradient_allreduce_op") == "sum"
+    ref = Reference(models, dtype, gas, world, loss_scale, device, divisor=1 if summed else world)
     engines = [deepspeed.initialize(model=m, config=make_config(cell, g, shape))[0] for m, g in zip(models, gas)]
     drv = EngineDriver(engines, fp16=cell["dtype"] == "fp16")
     period = math.lcm(*gas)
@@ -172,7 +174,7 @@ def run_cell(cell):
                 if boundary[i] and shape.protocol != "unmanaged":
                     for name, param in engine.module.named_parameters():
                         _compare(f"rank {rank} step {t} engine {i} grad {name}", safe_get_full_grad(param),
-                                 ref.accum[i][name], GRAD_TOL[cell["dtype"]])
+                                 ref.accum[i][name], cell.get("grad_tol", GRAD_TOL[cell["dtype"]]))
                 if shape.protocol in ("accelerate", "unmanaged") and not boundary[i]:
                     continue
                 engine.step()

@@ -28,6 +28,8 @@ def build_model(kind):
         return ToyNet()
     if kind == "tied":
         return ToyNet(tie=True)
+    if kind == "empty":
+        return ToyNet(empty=True)
     if kind == "head":
         return Head()
     raise ValueError(kind)
@@ -179,6 +181,7 @@ SHAPES = {
         Shape("ckpt_non_reentrant", ckpt_non_reentrant),
         Shape("ckpt_early_stop", ckpt_early_stop),
         Shape("tied_weights", plain, models=("tied", )),
+        Shape("zero_sized_param", plain, models=("empty", )),
         Shape("non_scalar", non_scalar),
         Shape("scale_backward", scale_backward),
         Shape("protocol_accelerate", plain, protocol="accelerate"),
