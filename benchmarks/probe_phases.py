@@ -41,10 +41,20 @@ def main():
         for fn in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
             setattr(torch.cuda, fn, lambda *a, **k: None)
         torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *a, **k: 0
-    cfg = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, vocab=args.vocab, seq=args.seq,
+    cfg = GPTConfig(d_model=args.d_model,
+                    n_layers=args.layers,
+                    n_heads=args.heads,
+                    vocab=args.vocab,
+                    seq=args.seq,
                     activation_checkpointing=args.activation_checkpointing)
-    hp = dict(micro_batch=args.micro_batch, gas=2, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), clip=1.0,
-              bucket_size=int(2.5e7), unit_size=int(args.unit_size))
+    hp = dict(micro_batch=args.micro_batch,
+              gas=2,
+              lr=1e-4,
+              weight_decay=0.1,
+              betas=(0.9, 0.95),
+              clip=1.0,
+              bucket_size=int(2.5e7),
+              unit_size=int(args.unit_size))
     gen = torch.Generator().manual_seed(rank)
     batches = [(torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=gen).to(device), ) * 2
                for _ in range(2)]

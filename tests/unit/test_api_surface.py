@@ -8,23 +8,27 @@ from packaging.version import Version
 
 import deepspeed
 
-ATTRIBUTES = ["zero", "comm", "runtime.lr_schedules.VALID_LR_SCHEDULES", "utils.logging", "utils.logger",
-              "checkpointing.configure", "checkpointing.checkpoint", "DeepSpeedEngine", "DeepSpeedConfig",
-              "initialize", "init_distributed", "zero.Init", "zero.GatheredParameters"]
+ATTRIBUTES = [
+    "zero", "comm", "runtime.lr_schedules.VALID_LR_SCHEDULES", "utils.logging", "utils.logger",
+    "checkpointing.configure", "checkpointing.checkpoint", "DeepSpeedEngine", "DeepSpeedConfig", "initialize",
+    "init_distributed", "zero.Init", "zero.GatheredParameters"
+]
 IMPORTS = {
     "deepspeed.checkpointing": ["configure", "checkpoint"],
     "deepspeed.runtime.base_optimizer": ["DeepSpeedOptimizer", "ZeROOptimizer"],
     "deepspeed.checkpoint.utils": ["clone_tensors_for_torch_save"],
     "deepspeed.launcher.runner": ["DEEPSPEED_ENVIRONMENT_NAME", "main"],
     "deepspeed.ops.adam": ["FusedAdam", "DeepSpeedCPUAdam"],
-    "deepspeed.runtime.zero.partition_parameters": ["zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange",
-                                                    "get_accelerator", "ZeroParamStatus"],
-    "deepspeed.utils": ["safe_get_full_grad", "safe_set_full_grad", "safe_get_full_fp32_param",
-                        "safe_set_full_fp32_param", "safe_get_full_optimizer_state", "safe_get_local_grad",
-                        "safe_get_local_fp32_param"],
-    "deepspeed.utils.zero_to_fp32": ["get_fp32_state_dict_from_zero_checkpoint",
-                                     "convert_zero_checkpoint_to_fp32_state_dict",
-                                     "load_state_dict_from_zero_checkpoint"],
+    "deepspeed.runtime.zero.partition_parameters":
+    ["zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange", "get_accelerator", "ZeroParamStatus"],
+    "deepspeed.utils": [
+        "safe_get_full_grad", "safe_set_full_grad", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
+        "safe_get_full_optimizer_state", "safe_get_local_grad", "safe_get_local_fp32_param"
+    ],
+    "deepspeed.utils.zero_to_fp32": [
+        "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
+        "load_state_dict_from_zero_checkpoint"
+    ],
 }
 ENGINE_METHODS = ("forward backward scale step zero_grad is_gradient_accumulation_boundary "
                   "set_gradient_accumulation_boundary no_sync coalesce_grad_reduction was_step_applied "

@@ -128,8 +128,7 @@ def _write_zero3_files(engine, writer, save_dir, tag, client_state, exclude_froz
                 optim_files=[paths.optim_states_name(r, bf16) for r in range(world)],
                 model_files=[paths.ZERO3_MODEL_STATES_FILE.format(rank=r) for r in range(world)],
                 state_dict_keys=list(engine.module.state_dict().keys()))
-    states = build_model_states(engine, trainable_groups(engine), exclude_frozen_parameters, None, meta,
-                                client_state)
+    states = build_model_states(engine, trainable_groups(engine), exclude_frozen_parameters, None, meta, client_state)
     # stage-3 parameters hold no data outside a gather: shapes are the full ones (``ds_shape``)
     states["param_shapes"] = [
         OrderedDict((name_of[p], torch.Size(p.ds_shape)) for p in group) for group in trainable_groups(engine)

@@ -124,12 +124,16 @@ def test_no_sync_rejected_on_stage2():
 
 
 REDUCTION_OPTIONS = {
-    "sum": dict(zero_extra_top={"gradient_allreduce_op": "sum"}, dtype="fp32"),
+    "sum":
+    dict(zero_extra_top={"gradient_allreduce_op": "sum"}, dtype="fp32"),
     # bf16 sums over up to 3 ranks round at 2**-8 per addition: errors stay well under 5%, while a
     # wrong scaling or a lost contribution is off by 25% or more
-    "bf16_comm": dict(zero_extra_top={"communication_data_type": "bf16"}, dtype="bf16",
-                      grad_tol=dict(rtol=5e-2, atol=5e-4)),
-    "fp32_accum_fp16": dict(zero_extra_top={"data_types": {"grad_accum_dtype": "fp32"}}, dtype="fp16"),
+    "bf16_comm":
+    dict(zero_extra_top={"communication_data_type": "bf16"}, dtype="bf16", grad_tol=dict(rtol=5e-2, atol=5e-4)),
+    "fp32_accum_fp16":
+    dict(zero_extra_top={"data_types": {
+        "grad_accum_dtype": "fp32"
+    }}, dtype="fp16"),
 }
 
 
@@ -140,7 +144,11 @@ REDUCTION_OPTIONS = {
 def test_reduction_options(stage, option, shape, world):
     """gradient_allreduce_op sum (no 1/W), bf16 communication, explicit fp32 accumulation."""
     options = REDUCTION_OPTIONS[option]
-    cell = dict(stage=stage, shape=shape, dtype=options["dtype"], gas=2, bucket=64,
+    cell = dict(stage=stage,
+                shape=shape,
+                dtype=options["dtype"],
+                gas=2,
+                bucket=64,
                 zero_extra_top=options["zero_extra_top"])
     if "grad_tol" in options:
         cell["grad_tol"] = options["grad_tol"]

@@ -16,9 +16,21 @@ def launched_before_epilogue(stage):
     import deepspeed
     from tests.unit.contract.models import ToyNet, lm_loss, make_batch
     torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 16,
-                                 "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 50}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.1
+            }
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 16,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 50
+        }
+    }
     engine = deepspeed.initialize(model=ToyNet(), config=cfg)[0]
     sink = engine._stage.grads
     seen = []

@@ -8,9 +8,20 @@ from torch import nn
 
 from tests.unit.common import run_distributed
 
-STAGE3 = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                "stage3_prefetch_bucket_size": 10}}
+STAGE3 = {
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {
+        "type": "SGD",
+        "params": {
+            "lr": 0.1
+        }
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 10
+    }
+}
 
 
 class Pair(nn.Module):
