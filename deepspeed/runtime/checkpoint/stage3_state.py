@@ -20,7 +20,7 @@ As in :mod:`stage_state`, ``prepare_*`` only checks and returns an ``apply()``.
 import torch
 
 from deepspeed.runtime.checkpoint.reshard import STEP_KEY, FullState, merge_group_scalars
-from deepspeed.runtime.checkpoint.stage_state import _group_entry, export_scaler, load_inner
+from deepspeed.runtime.checkpoint.stage_state import export_scaler, inner_state_dict, load_inner
 from deepspeed.runtime.checkpoint.validate import CheckpointError
 
 LAYOUT3_KEY = "zero3_layout"
@@ -211,17 +211,8 @@ def prepare_zero3_full(engine, full, frozen, load_optimizer_states, name_of, des
     frozen_values = {p: frozen[name_of[p]] for p in frozen_params if name_of[p] in frozen}
     sd = None
     if load_optimizer_states:
-        sd = {"state": {}, "param_groups": []}
-        index = 0
-        for g, group in enumerate(inner.param_groups):
-            ids = []
-            if group["params"]:
-                state = _group_optimizer_state(engine, g, groups[g], full, name_of, describe)
-                if state:
-                    sd["state"][index] = state
-                ids.append(index)
-                index += 1
-            sd["param_groups"].append(_group_entry(full, g, ids))
+        sd = inner_state_dict(inner, full,
+                              lambda g: _group_optimizer_state(engine, g, groups[g], full, name_of, describe))
 
     @torch.no_grad()
     def apply():

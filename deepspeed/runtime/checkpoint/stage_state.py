@@ -93,6 +93,22 @@ def check_full_state(full, groups, name_of, inner, load_optimizer_states, descri
                               f"engine's has {len(inner.param_groups)}")
 
 
+def inner_state_dict(inner, full, group_state):
+    """The inner optimizer's state dict over one flat master per param group; ``group_state(g)`` gives group g's."""
+    sd = {"state": {}, "param_groups": []}
+    index = 0
+    for g, group in enumerate(inner.param_groups):
+        ids = []
+        if group["params"]:
+            state = group_state(g)
+            if state:
+                sd["state"][index] = state
+            ids.append(index)
+            index += 1
+        sd["param_groups"].append(_group_entry(full, g, ids))
+    return sd
+
+
 def _group_entry(full, g, ids):
     entry = {k: v for k, v in full.groups[g].items() if k != "params"}
     entry["params"] = ids
@@ -231,17 +247,9 @@ def prepare_partitioned_full(engine, full, load_optimizer_states, name_of, descr
         masters.append(part)
     sd = None
     if load_optimizer_states:
-        sd = {"state": {}, "param_groups": []}
-        index = 0
-        for g, group in enumerate(inner.param_groups):
-            ids = []
-            if group["params"]:
-                state = _partition_group_state(layout, groups[g], g, full, name_of, stage.masters[g].numel(), describe)
-                if state:
-                    sd["state"][index] = state
-                ids.append(index)
-                index += 1
-            sd["param_groups"].append(_group_entry(full, g, ids))
+        sd = inner_state_dict(
+            inner, full,
+            lambda g: _partition_group_state(layout, groups[g], g, full, name_of, stage.masters[g].numel(), describe))
 
     @torch.no_grad()
     def apply():
