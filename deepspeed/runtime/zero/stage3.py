@@ -81,9 +81,8 @@ class Stage3Gradients(PartitionedGradients):
 
     coordinator = None
 
-    def _accumulate(self, store, bucket_index, param, grad, factor):
-        buf = self._bucket_buffer(self._staging if store is None else store, bucket_index)
-        slot = self.layout.slots[param]
+    def _accumulate(self, store, slot, grad, factor):
+        buf = self._bucket_buffer(self._staging if store is None else store, slot.bucket)
         world = self.world_size
         rows = buf.view(world, -1).narrow(1, slot.unit_offset, slot.shard)
         flat = grad.reshape(-1)

@@ -100,10 +100,10 @@ class PartitionedGradients:
         run = self._pass
         bucket = slot.bucket
         if run is not None and bucket < run.next_launch:
-            self._accumulate(self._late, bucket, param, grad, factor)
+            self._accumulate(self._late, slot, grad, factor)
             self._late_dirty = True
             return
-        self._accumulate(None, bucket, param, grad, factor)
+        self._accumulate(None, slot, grad, factor)
         if run is None:
             self._pending = True
         if slot.fired_serial != self._serial:
@@ -143,15 +143,14 @@ class PartitionedGradients:
             buf = store[bucket_index] = torch.zeros(bucket.padded, dtype=self._dtype, device=self.device)
         return buf
 
-    def _accumulate(self, store, bucket_index, param, grad, factor):
-        """Add ``factor * grad`` into the staging (``store`` None) or late bucket of ``param``."""
+    def _accumulate(self, store, slot, grad, factor):
+        """Add ``factor * grad`` into the staging (``store`` None) or late bucket of the parameter at ``slot``."""
         if store is None and self.acc is not None:
-            target = self.layout.full_view(self.acc, param)
+            target = self.acc.narrow(0, slot.offset, slot.numel)
         else:
-            buf = self._bucket_buffer(self._staging if store is None else store, bucket_index)
-            slot = self.layout.slots[param]
-            target = buf.narrow(0, slot.offset - self.layout.buckets[bucket_index].start, slot.numel).view(slot.shape)
-        target.add_(grad, alpha=factor)
+            buf = self._bucket_buffer(self._staging if store is None else store, slot.bucket)
+            target = buf.narrow(0, slot.offset - self.layout.buckets[slot.bucket].start, slot.numel)
+        target.view(slot.shape).add_(grad, alpha=factor)
 
     def _fold(self, bucket, out):
         """Add a reduced chunk of ``bucket`` into this rank's gradient partition."""
