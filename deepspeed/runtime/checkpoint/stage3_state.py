@@ -19,8 +19,8 @@ As in :mod:`stage_state`, ``prepare_*`` only checks and returns an ``apply()``.
 
 import torch
 
-from deepspeed.runtime.checkpoint.reshard import STEP_KEY, FullState, merge_group_scalars
-from deepspeed.runtime.checkpoint.stage_state import export_scaler, inner_state_dict, load_inner
+from deepspeed.runtime.checkpoint.reshard import STEP_KEY, FullState
+from deepspeed.runtime.checkpoint.stage_state import export_scaler, inner_state_dict, load_inner, split_group_state
 from deepspeed.runtime.checkpoint.validate import CheckpointError
 
 LAYOUT3_KEY = "zero3_layout"
@@ -168,23 +168,10 @@ def _write_shard(layout, param, value, out):
 
 def _group_optimizer_state(engine, g, params, full, name_of, describe):
     stage = engine._stage
-    states = [(name_of[p], full.state.get(name_of[p], {})) for p in params]
-    with_state = [name for name, st in states if st]
-    if not with_state:
+    split = split_group_state(params, [p.ds_shape for p in params], full, name_of, g, describe)
+    if split is None:
         return {}
-    if len(with_state) != len(states):
-        missing = [name for name, st in states if not st]
-        raise CheckpointError(f"{describe}: parameters {missing} of param group {g} have no optimizer state")
-    tensors, scalars = {}, []
-    for (name, st), param in zip(states, params):
-        per_param = {}
-        for key, value in st.items():
-            if key != STEP_KEY and torch.is_tensor(value) and tuple(value.shape) == tuple(param.ds_shape):
-                tensors.setdefault(key, {})[param] = value
-            else:
-                per_param[key] = value
-        scalars.append((name, per_param))
-    result = merge_group_scalars(scalars, g, describe)
+    result, tensors = split
     numel = stage.masters[g].numel()
     for key, values in tensors.items():
         if len(values) != len(params):

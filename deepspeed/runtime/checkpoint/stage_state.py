@@ -262,27 +262,41 @@ def prepare_partitioned_full(engine, full, load_optimizer_states, name_of, descr
     return apply
 
 
-def _partition_group_state(layout, params, g, full, name_of, numel, describe):
-    """The inner state of group ``g``'s flat master on this rank, from per-parameter full state."""
+def split_group_state(params, shapes, full, name_of, g, describe):
+    """Param group ``g``'s per-parameter full optimizer state, split for one flat master.
+
+    Returns None when no parameter has state, else ``(scalars, tensors)``: the merged
+    non-tensor entries (``step`` among them) and ``{key: {param: tensor}}`` for state
+    shaped like its parameter (``shapes[i]`` is parameter i's full shape). A group
+    with state for only some parameters raises.
+    """
     states = [(name_of[p], full.state.get(name_of[p], {})) for p in params]
     with_state = [name for name, st in states if st]
     if not with_state:
-        return {}
+        return None
     if len(with_state) != len(states):
         missing = [name for name, st in states if not st]
         raise CheckpointError(f"{describe}: parameters {missing} of param group {g} have no optimizer state while "
                               f"{with_state[:3]} do; one partitioned group needs all or none")
-    by_shape = {}
+    tensors = {}
     scalars = []
-    for (name, st), param in zip(states, params):
+    for (name, st), param, shape in zip(states, params, shapes):
         per_param = {}
         for key, value in st.items():
-            if key != STEP_KEY and torch.is_tensor(value) and tuple(value.shape) == tuple(param.shape):
-                by_shape.setdefault(key, {})[param] = value
+            if key != STEP_KEY and torch.is_tensor(value) and tuple(value.shape) == tuple(shape):
+                tensors.setdefault(key, {})[param] = value
             else:
                 per_param[key] = value
         scalars.append((name, per_param))
-    result = merge_group_scalars(scalars, g, describe)
+    return merge_group_scalars(scalars, g, describe), tensors
+
+
+def _partition_group_state(layout, params, g, full, name_of, numel, describe):
+    """The inner state of group ``g``'s flat master on this rank, from per-parameter full state."""
+    split = split_group_state(params, [p.shape for p in params], full, name_of, g, describe)
+    if split is None:
+        return {}
+    result, by_shape = split
     for key, values in by_shape.items():
         if len(values) != len(params):
             raise CheckpointError(f"{describe}: optimizer state '{key}' exists for only some parameters of param "
