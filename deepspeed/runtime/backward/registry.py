@@ -13,11 +13,16 @@ its own. Training runs one backward at a time per process, so "a session is open
 means "we are inside it". That is the one documented precondition: two user threads
 must not run backward through DeepSpeed engines concurrently.
 
+Suspension. Code that runs a backward of its own inside training, whose gradients are
+not training gradients (Hessian-vector products for the eigenvalue monitor, a gradient
+audit), runs it inside :func:`suspended`: no session opens there, so no engine sees it.
+
 Stale sessions. If a backward raises, autograd drops its final callbacks, so the
 epilogue never runs. Code that knows it is outside any backward (engine.forward,
 zero_grad, step, the start of engine.backward) calls :func:`discard_stale_sessions`.
 """
 
+import contextlib
 import threading
 
 import torch
@@ -25,6 +30,7 @@ import torch
 _lock = threading.RLock()
 _sessions = {}  # graph task id -> BackwardSession (nested ids alias their root)
 _open = []  # root sessions whose epilogue has not run, oldest first
+_suspended = 0  # depth of `suspended()` contexts
 
 
 def current_graph_task_id():
@@ -42,7 +48,7 @@ def session_for_current_task():
     session = _sessions.get(task)
     if session is not None:
         return session
-    if task < 0:
+    if task < 0 or _suspended:
         return None
     from deepspeed.runtime.backward.session import BackwardSession
     with _lock:
@@ -82,6 +88,21 @@ def discard_stale_sessions():
         stale = list(_open)
     for session in stale:
         session.abort()
+
+
+@contextlib.contextmanager
+def suspended():
+    """Inside the context, backward passes open no session: engines neither see nor reduce them.
+
+    Gradients computed there reach owned parameters as plain autograd leaves would
+    (``torch.autograd.grad`` returns them; ``.backward()`` would leave them in ``.grad``).
+    """
+    global _suspended
+    _suspended += 1
+    try:
+        yield
+    finally:
+        _suspended -= 1
 
 
 def open_sessions():
