@@ -1,28 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 """DeepSpeedEngine: wires config, backward session, precision and ZeRO stage together.
 
-The engine is a conductor. It holds no gradient state: gradients live in the stage
-(the engine's gradient sink), the state of one backward lives in its session, the
-loss scale in the scaler, the step pipeline in :class:`EngineOptimizer`. What the
-engine keeps is the step protocol: counters, the accumulation boundary and the
-contexts that defer reduction (``no_sync``, ``coalesce_grad_reduction``).
-
-The accumulation boundary, three ways (all supported):
-
-1. native: ``backward`` + ``step()`` every micro-batch; the boundary is
-   ``(micro_steps + 1) % GAS == 0``;
-2. Accelerate: ``set_gradient_accumulation_boundary(flag)`` before each backward;
-3. unmanaged (``managed_gradient_accumulation: false``): backward only accumulates,
-   every ``step()`` is a boundary.
+The engine is a conductor. It holds no gradient state: gradients live in the ZeRO
+stage's gradient pipeline, the state of one backward lives in its session, the loss
+scale in the scaler, the boundary step in :class:`EngineOptimizer`, where the window
+ends in the :class:`~deepspeed.runtime.accumulation.AccumulationWindow` (native,
+Accelerate and unmanaged protocols; ``no_sync`` and ``coalesce_grad_reduction``). What
+the engine keeps is the step protocol's counters.
 """
 
 import contextlib
+import logging
 
 import torch
 
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime import lr_schedules
+from deepspeed.runtime.accumulation import AccumulationWindow
 from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
@@ -30,9 +25,7 @@ from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.engine_optimizer import EngineOptimizer
 from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
-from deepspeed.runtime.zero.stage0 import Stage0
-from deepspeed.runtime.zero.stage_1_and_2 import PartitionedStage
-from deepspeed.runtime.zero.stage3 import Stage3
+from deepspeed.runtime.zero.stages import StageConfig, build_stage
 from deepspeed.utils.logging import log_dist, logger
 
 
@@ -76,13 +69,10 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
         self.global_steps = 0
         self.global_samples = 0
-        self.micro_steps = 0
         self.skipped_steps = 0
-        self._boundary_flag = None
-        self._in_step = False
-        self._no_sync_depth = 0
-        self._coalesce_depth = 0
+        self.window = AccumulationWindow(cfg.gradient_accumulation_steps, cfg.managed_gradient_accumulation)
         self._step_applied = False
+        self._warned_empty_step = False
 
         self.module = model
         self._prepare_module(model, dont_change_device)
@@ -162,86 +152,25 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         device = self._config.zero_config.offload_optimizer_device
         return "none" if self._config.zero_optimization_stage == 0 else str(getattr(device, "value", device))
 
-    def _trainable_params(self):
-        seen = set()
-        ordered = []
-        for group in self.basic_optimizer.param_groups:
-            for param in group["params"]:
-                if param.requires_grad and id(param) not in seen:
-                    seen.add(id(param))
-                    ordered.append(param)
-        # Lay parameters out in module order (closest to the reverse of backward order).
-        rank = {id(p): i for i, p in enumerate(self.module.parameters())}
-        ordered.sort(key=lambda p: rank.get(id(p), len(rank)))
-        return ordered
+    @property
+    def micro_steps(self):
+        return self.window.micro_steps
 
     def _configure_stage(self):
         cfg = self._config
-        zero = cfg.zero_config
-        accum_dtype = cfg.grad_accum_dtype or torch.float32
-        common = dict(accum_dtype=accum_dtype,
-                      device=self.device,
-                      bucket_numel=zero.reduce_bucket_size,
-                      group=self.data_parallel_group,
-                      average=cfg.gradient_allreduce_op != "sum",
-                      comm_dtype=cfg.communication_data_type,
-                      gas_fn=self.gradient_accumulation_steps,
-                      requires_loss_scale=cfg.fp16_enabled)
-        stage = cfg.zero_optimization_stage
-        if stage == 0:
-            params = self._trainable_params()
-            self._stage = Stage0(params,
-                                 self.basic_optimizer,
-                                 reduce_in_backward_fn=self._reduce_in_backward,
-                                 **common)
-        elif stage == 3:
-            offload = self._offload_optimizer_device()
-            offload_param = str(getattr(zero.offload_param_device, "value", zero.offload_param_device))
-            if "nvme" in (offload, offload_param):
-                raise NotImplementedError("NVMe offload is not supported; see docs/compatibility.md")
-            self._stage = Stage3(self.module,
-                                 self.basic_optimizer,
-                                 reduce_now_fn=self._reduce_every_backward,
-                                 overlap_comm=bool(zero.overlap_comm),
-                                 use_reduce_scatter=bool(zero.reduce_scatter),
-                                 unit_numel=max(1, int(zero.stage3_prefetch_bucket_size)),
-                                 persistence_threshold=int(zero.stage3_param_persistence_threshold),
-                                 model_dtype=self._dtype,
-                                 offload_optimizer_device="cpu" if offload == "cpu" else None,
-                                 offload_param_device="cpu" if offload_param == "cpu" else None,
-                                 pin_memory=bool(zero.offload_optimizer is not None
-                                                 and zero.offload_optimizer.pin_memory),
-                                 **{
-                                     k: v
-                                     for k, v in common.items() if k != "bucket_numel"
-                                 })
-            params = self._stage.layout.params
-        else:
-            offload = self._offload_optimizer_device()
-            if offload == "nvme":
-                raise NotImplementedError("offload_optimizer.device=nvme is not supported; see "
-                                          "docs/compatibility.md")
-            self._stage = PartitionedStage(
-                self.module,
-                self.basic_optimizer,
-                stage=stage,
-                reduce_now_fn=self._reduce_in_backward if stage == 1 else self._reduce_every_backward,
-                overlap_comm=bool(zero.overlap_comm),
-                use_reduce_scatter=bool(zero.reduce_scatter),
-                offload_device="cpu" if offload == "cpu" else None,
-                pin_memory=bool(zero.offload_optimizer is not None and zero.offload_optimizer.pin_memory),
-                **common)
-            params = self._stage.layout.params
-        self._stage.grads.engine = self
+        self._stage = build_stage(StageConfig.from_ds_config(cfg, self._dtype),
+                                  self.module,
+                                  self.basic_optimizer,
+                                  self.window,
+                                  device=self.device,
+                                  group=self.data_parallel_group)
         self.optimizer = EngineOptimizer(self.basic_optimizer,
                                          self._stage,
                                          self.loss_scaler,
                                          cfg.gradient_clipping,
                                          self.zero_grad,
                                          check_overflow=cfg.fp16_enabled)
-        self._ownership = ownership.Ownership(self._stage.grads,
-                                              params,
-                                              clear_published=getattr(self._stage.grads, "_publish", False))
+        self._ownership = ownership.Ownership(self._stage)
 
     def _build_lr_scheduler(self, client_scheduler):
         cfg = self._config
@@ -335,26 +264,13 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
     # --------------------------------------------------------------- boundary
     def is_gradient_accumulation_boundary(self):
-        if not self._config.managed_gradient_accumulation:
-            return self._in_step
-        if self._boundary_flag is None:
-            return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-        return self._boundary_flag
+        return self.window.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary):
         if not self._config.managed_gradient_accumulation:
             raise RuntimeError("set_gradient_accumulation_boundary() cannot be used with "
                                "managed_gradient_accumulation=false: every step() is the boundary there")
-        self._boundary_flag = bool(is_boundary)
-
-    def _reduce_in_backward(self):
-        """Whether a backward running now should reduce gradients (else it only accumulates)."""
-        return (self._config.managed_gradient_accumulation and self._no_sync_depth == 0 and self._coalesce_depth == 0
-                and self.is_gradient_accumulation_boundary())
-
-    def _reduce_every_backward(self):
-        """Stage 2 reduces in every backward unless reduction is deferred."""
-        return self._no_sync_depth == 0 and self._coalesce_depth == 0
+        self.window.boundary_flag = bool(is_boundary)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -362,22 +278,16 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if self.zero_optimization_stage() >= 2:
             raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
                                f"gradients are partitioned during every backward")
-        self._no_sync_depth += 1
-        try:
+        with self.window.no_sync():
             yield
-        finally:
-            self._no_sync_depth -= 1
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self):
         """Defer gradient reduction over every backward inside the context to one pass at its exit."""
-        self._coalesce_depth += 1
-        try:
+        with self.window.coalesced():
             yield
-        finally:
-            self._coalesce_depth -= 1
-            if self._coalesce_depth == 0 and self._stage is not None and self._reduce_in_backward():
-                self._stage.finish_window()
+        if not self.window.deferred() and self._stage is not None and self.window.at_boundary():
+            self._stage.finish_window()
 
     # ----------------------------------------------------- forward / backward
     def forward(self, *inputs, **kwargs):
@@ -388,10 +298,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         outputs = self.module(*inputs, **kwargs)
         if self._stage is not None:
             if torch.is_grad_enabled():
-                ownership.arm_outputs(self._stage.grads, outputs)
-            after_forward = getattr(self._stage, "after_forward", None)
-            if after_forward is not None:
-                after_forward()
+                ownership.arm_outputs(self._stage.pipeline, outputs)
+            self._stage.after_forward()
         return outputs
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
@@ -406,7 +314,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             loss.backward(retain_graph=retain_graph)
             return loss
         seeded = ownership.seed(loss, self.loss_scaler.loss_scale, scale_wrt_gas, retain_graph, "engine.backward",
-                                self._stage.grads)
+                                self._stage.pipeline)
         try:
             seeded.backward(retain_graph=retain_graph)
         except BaseException:
@@ -419,21 +327,33 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         """``loss`` times the fp16 loss scale, seeded so that a direct ``.backward()`` on it is exact."""
         if self._stage is None:
             return loss
-        return ownership.seed(loss, self.loss_scaler.loss_scale, True, False, "engine.scale", self._stage.grads)
+        return ownership.seed(loss, self.loss_scaler.loss_scale, True, False, "engine.scale", self._stage.pipeline)
 
     # ------------------------------------------------------------------- step
     def step(self, lr_kwargs=None):
         """End a micro-step; at the accumulation boundary apply the optimizer (see the module docstring)."""
         registry.discard_stale_sessions()
-        self._in_step = True
-        try:
+        with self.window.stepping():
             if self.is_gradient_accumulation_boundary():
+                if self._stage is not None and self._stage.window_is_empty():
+                    self._skip_empty_step()
+                    return
                 self._take_model_step(lr_kwargs)
             else:
                 self._step_applied = False
-            self.micro_steps += 1
-        finally:
-            self._in_step = False
+            self.window.micro_steps += 1
+
+    def _skip_empty_step(self):
+        """A boundary step with no backward in its window: as in plain torch, nothing moves (no counter either)."""
+        self._step_applied = False
+        if not self._warned_empty_step:
+            self._warned_empty_step = True
+            log_dist(
+                f"engine.step() at step {self.global_steps}: no backward reached this engine since the last "
+                f"step; the optimizer step is skipped (weights, optimizer state, counters and LR schedule are "
+                f"unchanged). This warning is given once.",
+                ranks=[0],
+                level=logging.WARNING)
 
     def _take_model_step(self, lr_kwargs):
         applied = False

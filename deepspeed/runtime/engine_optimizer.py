@@ -101,7 +101,7 @@ class EngineOptimizer(ZeROOptimizer):
         if self.gradient_clipping > 0:
             coef = torch.clamp(self.gradient_clipping / (norm + 1e-6), max=1.0)
             stage.scale_grads(coef)
-        stage.optimizer_step(self.optimizer)
+        stage.optimizer_step()
         self.loss_scaler.update_scale(False)
         return True
 

@@ -13,10 +13,7 @@ from deepspeed.runtime.backward.ownership import owner_of
 
 
 def _stage(param):
-    owner = owner_of(param)
-    if owner is None:
-        return None
-    return owner.engine._stage
+    return owner_of(param)
 
 
 def safe_get_full_grad(param):
@@ -55,26 +52,24 @@ def safe_set_full_fp32_param(param, value):
 
 
 def safe_get_full_optimizer_state(param, optim_state_key):
-    owner = owner_of(param)
-    if owner is None:
+    stage = _stage(param)
+    if stage is None:
         return None
-    engine = owner.engine
-    value = engine._stage.optimizer_state(engine.basic_optimizer, param, optim_state_key)
+    value = stage.optimizer_state(param, optim_state_key)
     return None if value is None else value.detach().clone()
 
 
 def safe_set_full_optimizer_state(param, value, optim_state_key):
-    owner = owner_of(param)
-    if owner is None:
+    stage = _stage(param)
+    if stage is None:
         raise ValueError("safe_set_full_optimizer_state: the parameter is not owned by a DeepSpeed engine")
-    engine = owner.engine
-    engine._stage.set_optimizer_state(engine.basic_optimizer, param, optim_state_key, value)
+    stage.set_optimizer_state(param, optim_state_key, value)
 
 
 def safe_get_local_grad(param):
     """This rank's piece of the gradient (flat for partitioned stages; the whole tensor on stage 0)."""
     stage = _stage(param)
-    if stage is None or not hasattr(stage, "local_grad"):
+    if stage is None:
         return safe_get_full_grad(param)
     return stage.local_grad(param).detach().clone()
 
@@ -82,7 +77,7 @@ def safe_get_local_grad(param):
 def safe_get_local_fp32_param(param):
     """This rank's piece of the fp32 parameter (flat for partitioned stages; the whole tensor on stage 0)."""
     stage = _stage(param)
-    if stage is None or not hasattr(stage, "local_fp32_param"):
+    if stage is None:
         return safe_get_full_fp32_param(param)
     return stage.local_fp32_param(param).detach().clone()
 

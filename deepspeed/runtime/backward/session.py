@@ -9,19 +9,19 @@ epilogue runs from the autograd engine's final callback of that graph task.
 The session owns, for this one backward:
 
 * the seed: the loss scale the root gradient carries and whether GAS scaling applies;
-* the participants: each engine (through its gradient sink, the ZeRO stage) that this
-  backward reached, with the factor its gradient contributions are multiplied by:
+* the gradient pipelines (one per engine, ``zero/grad_pipeline.py``) that this backward
+  reached, with the factor their contributions are multiplied by:
   ``factor(E) = s(E) / loss_scale`` where ``s(E) = 1/GAS_E`` (or 1 with
   ``scale_wrt_gas=False``);
-* the routing of every parameter contribution to its owner's sink;
+* the routing of every parameter contribution to its engine's pipeline;
 * the epilogue and the unwinding on failure.
 
-A participant (a gradient sink) provides::
+A gradient pipeline provides::
 
     gradient_accumulation_steps: int      # GAS of its engine
     requires_loss_scale: bool             # fp16: gradients must come through a seed
-    begin_backward(session)               # first contribution or arming in this session
-    on_grad(param, grad, factor)          # one contribution (param.grad already cleared)
+    begin_backward(session, factor)       # first contribution or arming in this session
+    contribute(param, grad)               # one contribution (param.grad already cleared)
     end_backward(session)                 # epilogue of this session
     abort_backward(session)               # this backward failed: drop its half-done state
 
@@ -60,7 +60,7 @@ class BackwardSession:
         self.task_ids = [task_id]
         self.seed = None  # None: a plain loss.backward() so far
         self.nested = False  # a reentrant graph task joined (reentrant checkpointing)
-        self._factors = {}  # participant -> factor, in order of arrival
+        self._factors = {}  # pipeline -> factor, in order of arrival
         self._done = False
 
     # ------------------------------------------------------------------ opening
@@ -93,29 +93,28 @@ class BackwardSession:
             self.seed = seed
 
     # ------------------------------------------------------------ contributions
-    def factor_for(self, participant):
-        """The factor of ``participant`` in this session, joining it on first use."""
-        factor = self._factors.get(participant)
+    def factor_for(self, pipeline):
+        """The factor of ``pipeline`` in this session, joining it on first use."""
+        factor = self._factors.get(pipeline)
         if factor is None:
-            factor = self._join(participant)
+            factor = self._join(pipeline)
         return factor
 
-    def contribute(self, param, participant):
-        """Hand ``param.grad`` (this graph task's contribution) to its owner and clear it."""
-        factor = self._factors.get(participant)
-        if factor is None:
-            factor = self._join(participant)
+    def contribute(self, param, pipeline):
+        """Hand ``param.grad`` (this graph task's contribution) to its engine's pipeline and clear it."""
+        if pipeline not in self._factors:
+            self._join(pipeline)
         grad = param.grad
         param.grad = None
         if grad is not None:
-            participant.on_grad(param, grad, factor)
+            pipeline.contribute(param, grad)
 
-    def _join(self, participant):
+    def _join(self, pipeline):
         seed = self.seed if self.seed is not None else IMPLICIT_SEED
-        if participant.requires_loss_scale and self.seed is None:
+        if pipeline.requires_loss_scale and self.seed is None:
             self._fail("an fp16 engine received gradients from a plain loss.backward(): fp16 gradients must be "
                        "loss-scaled to be correct. Use engine.backward(loss), or engine.scale(loss).backward().")
-        gas = participant.gradient_accumulation_steps
+        gas = pipeline.gradient_accumulation_steps
         if not seed.scale_wrt_gas:
             others = {p.gradient_accumulation_steps for p in self._factors}
             if others and others != {gas}:
@@ -125,12 +124,12 @@ class BackwardSession:
             factor = 1.0 / seed.loss_scale
         else:
             factor = 1.0 / (gas * seed.loss_scale)
-        participant.begin_backward(self)
-        self._factors[participant] = factor
+        pipeline.begin_backward(self, factor)
+        self._factors[pipeline] = factor
         return factor
 
     @property
-    def participants(self):
+    def pipelines(self):
         return list(self._factors)
 
     # ------------------------------------------------------------------ closing
@@ -139,19 +138,19 @@ class BackwardSession:
             return
         self._done = True
         try:
-            for participant in list(self._factors):
-                participant.end_backward(self)
+            for pipeline in list(self._factors):
+                pipeline.end_backward(self)
         finally:
             registry.close(self)
 
     def abort(self):
-        """Unwind this session after a failure: participants drop its state, the registry forgets it."""
+        """Unwind this session after a failure: pipelines drop its state, the registry forgets it."""
         if self._done:
             return
         self._done = True
         try:
-            for participant in list(self._factors):
-                participant.abort_backward(self)
+            for pipeline in list(self._factors):
+                pipeline.abort_backward(self)
         finally:
             registry.close(self)
 

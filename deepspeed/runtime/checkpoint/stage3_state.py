@@ -210,7 +210,7 @@ def prepare_zero3_full(engine, full, frozen, load_optimizer_states, name_of, des
             _write_shard(layout, param, value, frozen_part)
         if sd is not None:
             load_inner(inner, sd)
-        refresh_16bit(stage)
+        stage.refresh_16bit()
 
     return apply
 
@@ -235,19 +235,9 @@ def prepare_zero3_same_layout(engine, saved, load_optimizer_states, describe):
             stage.sources[len(stage.masters)].copy_(frozen)
         if load_optimizer_states:
             load_inner(engine.basic_optimizer, inner_sd)
-        refresh_16bit(stage)
+        stage.refresh_16bit()
 
     return apply
-
-
-@torch.no_grad()
-def refresh_16bit(stage):
-    """Collective: the 16-bit shards from the just-loaded masters, then re-gather the persistent units."""
-    for g, master in enumerate(stage.masters):
-        if stage.shards[g] is not None:
-            stage.shards[g].copy_(master.data)
-    stage.coordinator.release_all()
-    stage._gather_persistent()
 
 
 def check_zero3_module(ckpt, module, strict, path):

@@ -157,7 +157,7 @@ def prepare_stage0(engine, full, load_optimizer_states, name_of):
     stage = engine._stage
     inner = engine.basic_optimizer
     model_of = _stage0_model_of(stage)
-    params = list(stage.grads.params)
+    params = list(stage.params)
     sd = None
     if load_optimizer_states:
         sd = {"state": {}, "param_groups": []}
@@ -229,7 +229,7 @@ def prepare_partitioned_same_layout(engine, saved, load_optimizer_states, descri
             master.data.copy_(part)
         if load_optimizer_states:
             load_inner(engine.basic_optimizer, inner_sd)
-        stage._all_gather_params()
+        stage.all_gather_params()
 
     return apply
 
@@ -257,7 +257,7 @@ def prepare_partitioned_full(engine, full, load_optimizer_states, name_of, descr
             master.data.copy_(part)
         if sd is not None:
             load_inner(inner, sd)
-        stage._all_gather_params()
+        stage.all_gather_params()
 
     return apply
 

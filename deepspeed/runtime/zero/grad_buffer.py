@@ -35,7 +35,6 @@ class ParamSlot:
     numel: int
     shape: torch.Size
     bucket: int
-    fired_serial: int = -1  # last backward session (serial) that delivered a contribution
 
 
 class FlatLayout:

@@ -13,9 +13,13 @@ modules (tied weights) goes to the root unit. Small parameters
 is gathered once and never released.
 
 Unit chunk layout: each parameter is padded to ``W * s`` elements (``s`` its shard
-size); the unit's rank-major buffer is ``W`` rows of ``C = sum(s)`` elements, row
+size); the unit's rank-major buffer is ``W`` rows of ``C = sum(s)`` columns, row
 ``r`` holding every parameter's shard ``r``. Row ``r`` is exactly rank ``r``'s
 piece, so gather and reduce are single equal-chunk collectives.
+
+States. A unit is SHARDED, GATHERING (its all-gather in flight) or GATHERED
+(:class:`UnitState`); only a SHARDED unit launches a gather, only a GATHERED one
+is released.
 
 Lifetimes. ``UnitCoordinator`` keeps, per unit, the forward uses outstanding
 (module pre/post-forward hooks: the unit root and every module owning parameters of
@@ -23,22 +27,38 @@ the unit, so calling a submodule directly works) and a *backward hold* (set by a
 pre-backward hook on the outputs of those modules, on every backward visit, so a
 second backward over a retained graph gathers again). A unit is released when it
 has no forward use, no backward hold, and is not persistent. The stage's gradient
-sink clears a unit's hold once all its trainable parameters delivered their
+pipeline clears a unit's hold once all its trainable parameters delivered their
 gradient in the running backward; the session epilogue clears whatever is left.
 """
 
+import enum
 import functools
 
 import torch
 
-import deepspeed.comm as dist
+from torch.autograd import Variable
+
+from deepspeed.runtime import compiler
 from deepspeed.runtime.backward import registry
 from deepspeed.runtime.backward.ownership import tensors_in
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.profiling import ds_range
+from deepspeed.runtime.zero.transport import DEFAULT_TRANSPORT, wait
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # only the shards exist; the parameters' ``.data`` are empty
+    GATHERING = "gathering"  # an all-gather of the unit is in flight
+    GATHERED = "gathered"  # the parameters hold their full values
 
 
 class ParamUnit:
-    """Parameters gathered and reduced together (see the module docstring)."""
+    """Parameters gathered and reduced together (see the module docstring).
+
+    Column layout of a unit row: parameter ``i`` takes ``shards[i]`` columns from
+    ``columns[i]``; ``chunk`` columns in all. ``fwd_refs`` counts forward uses outstanding,
+    ``bwd_hold`` is set while a backward visit still needs the unit.
+    """
 
     def __init__(self, index, root, params, world_size, persistent=False):
         self.index = index
@@ -46,40 +66,43 @@ class ParamUnit:
         self.params = params
         self.persistent = persistent
         self.world_size = world_size
-        self.shard = [p.ds_shard_numel for p in params]
-        self.offsets = []
-        offset = 0
-        for s in self.shard:
-            self.offsets.append(offset)
-            offset += s
-        self.chunk = offset
-        self.trainable = sum(1 for p in params if p.requires_grad)
-        self.segments = []  # (group, part_offset, unit_offset, length), filled by the stage
+        self.shards = [p.ds_shard_numel for p in params]
+        self.columns = []
+        column = 0
+        for shard in self.shards:
+            self.columns.append(column)
+            column += shard
+        self.chunk = column
+        self.state = UnitState.SHARDED
         self.fwd_refs = 0
         self.bwd_hold = False
-        self.gathered = False
-        self._inflight = None  # (work, gather buffer)
-        self._full = None
-        self.fired_serial = -1
-        self.fired = 0
+        self._gather = None  # (work, buffer) while GATHERING
+        self._full = None  # the gathered storage, kept (resized to 0) across releases
+        self._views = None
 
 
 class UnitCoordinator:
-    """Gathers, releases and prefetches units, driven by module hooks and the backward session."""
+    """Gathers, releases and prefetches units, driven by module hooks and the backward session.
 
-    def __init__(self, module, units, send_chunk_fn, participant, group, device):
+    ``pipeline`` is the engine's gradient pipeline: a backward that reaches one of these
+    modules joins it (so its epilogue releases what that backward gathered).
+    ``send_chunk(unit)`` returns this rank's row of ``unit`` in the model dtype, on the device.
+    """
+
+    def __init__(self, module, units, send_chunk_fn, pipeline, group, device, transport=None):
         self.module = module
         self.units = units
         self._send_chunk = send_chunk_fn
-        self.participant = participant
+        self.pipeline = pipeline
         self.group = group
         self.device = device
+        self.transport = transport or DEFAULT_TRANSPORT
         self.world_size = units[0].world_size if units else 1
         self._handles = []
-        self._units_of_module = {}
         self._trace = []  # unit order of the first forward, for prefetching
         self._tracing = True
         self._position = {}
+        self._unsessioned_task = None  # a graph task with no session whose end releases its holds
         self._install_hooks()
 
     # ----------------------------------------------------------------- hooks
@@ -98,14 +121,26 @@ class UnitCoordinator:
             units = [u for u in units if not u.persistent]
             if not units:
                 continue
-            self._units_of_module[module] = units
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, units)))
-            self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, units)))
+            self._handles.append(module.register_forward_pre_hook(self._hook(self._pre_forward, units)))
+            self._handles.append(module.register_forward_hook(self._hook(self._post_forward, units)))
+
+    @staticmethod
+    def _hook(method, units):
+
+        def hook(*args):
+            return method(units, *args)
+
+        return compiler.disable(hook)
 
     def remove_hooks(self):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def reinstall_hooks(self):
+        """Install the module hooks again (after torch.compile was loaded, so that they are marked for it)."""
+        self.remove_hooks()
+        self._install_hooks()
 
     def _pre_forward(self, units, module, inputs):
         # A forward inside a backward is an activation-checkpoint recompute. It takes no forward
@@ -117,14 +152,15 @@ class UnitCoordinator:
             for unit in units:
                 self.gather(unit)
             return
-        for unit in units:
-            unit.fwd_refs += 1
-            self.gather(unit)
-            if self._tracing and unit.index not in self._position:
-                self._position[unit.index] = len(self._trace)
-                self._trace.append(unit)
-            elif not self._tracing:
-                self._prefetch_after(unit, forward=True)
+        with ds_range("DS::gather"):
+            for unit in units:
+                unit.fwd_refs += 1
+                self.gather(unit)
+                if self._tracing and unit.index not in self._position:
+                    self._position[unit.index] = len(self._trace)
+                    self._trace.append(unit)
+                elif not self._tracing:
+                    self._prefetch_after(unit, forward=True)
 
     def _post_forward(self, units, module, inputs, output):
         if torch._C._current_graph_task_id() < 0:
@@ -142,12 +178,27 @@ class UnitCoordinator:
     def _pre_backward(self, units, grad):
         session = registry.session_for_current_task()
         if session is not None:
-            session.factor_for(self.participant)
-        for unit in units:
-            unit.bwd_hold = True
-            self.gather(unit)
-            self._prefetch_after(unit, forward=False)
+            session.factor_for(self.pipeline)
+        else:
+            self._release_at_task_end()
+        with ds_range("DS::gather"):
+            for unit in units:
+                unit.bwd_hold = True
+                self.gather(unit)
+                self._prefetch_after(unit, forward=False)
         return None
+
+    def _release_at_task_end(self):
+        # A backward no session covers (``registry.suspended()``: a monitor's Hessian-vector
+        # products) still gathers what it visits; it releases at the end of its graph task.
+        task = torch._C._current_graph_task_id()
+        if task >= 0 and task != self._unsessioned_task:
+            self._unsessioned_task = task
+            Variable._execution_engine.queue_callback(self._end_unsessioned)
+
+    def _end_unsessioned(self):
+        self._unsessioned_task = None
+        self.end_backward()
 
     def end_of_first_forward(self):
         """The trace of the first forward is complete; from now on prefetch along it."""
@@ -164,8 +215,8 @@ class UnitCoordinator:
         """Session epilogue: drop every backward hold and release what nobody needs (also prefetches)."""
         for unit in self.units:
             unit.bwd_hold = False
-            if unit._inflight is not None and unit.fwd_refs <= 0:
-                self._finish_inflight(unit)
+            if unit.state is UnitState.GATHERING and unit.fwd_refs <= 0:
+                self._finish_gather(unit)
             self._maybe_release(unit)
 
     def release_all(self):
@@ -173,11 +224,13 @@ class UnitCoordinator:
         for unit in self.units:
             unit.fwd_refs = 0
             unit.bwd_hold = False
-            self._finish_inflight(unit)
-            self._release(unit)
+            if unit.state is UnitState.GATHERING:
+                self._finish_gather(unit)
+            if unit.state is UnitState.GATHERED:
+                self._release(unit)
 
     def _maybe_release(self, unit):
-        if unit.fwd_refs <= 0 and not unit.bwd_hold and not unit.persistent and unit.gathered:
+        if unit.state is UnitState.GATHERED and unit.fwd_refs <= 0 and not unit.bwd_hold and not unit.persistent:
             self._release(unit)
 
     def _release(self, unit):
@@ -189,55 +242,51 @@ class UnitCoordinator:
             # saves weight.t()); they keep the storage object, not its memory, and see the
             # values again once the next gather refills the same storage.
             unit._full.untyped_storage().resize_(0)
-        unit.gathered = False
+        unit.state = UnitState.SHARDED
 
     # ---------------------------------------------------------------- gather
     def _launch_gather(self, unit):
         send = self._send_chunk(unit)
         if self.world_size == 1:
-            unit._inflight = (None, send)
-            return
-        buffer = torch.empty(self.world_size * unit.chunk, dtype=send.dtype, device=self.device)
-        work = dist.all_gather_into_tensor(buffer, send, group=self.group, async_op=True)
-        unit._inflight = (work, buffer)
+            unit._gather = (None, send)
+        else:
+            buffer = torch.empty(self.world_size * unit.chunk, dtype=send.dtype, device=self.device)
+            unit._gather = (self.transport.all_gather(buffer, send, self.group), buffer)
+        unit.state = UnitState.GATHERING
         for param in unit.params:
             param.ds_status = ZeroParamStatus.INFLIGHT
 
-    def _finish_inflight(self, unit):
-        if unit._inflight is None:
-            return False
-        work, buffer = unit._inflight
-        unit._inflight = None
-        if work is not None:
-            work.wait()
+    def _finish_gather(self, unit):
+        work, buffer = unit._gather
+        unit._gather = None
+        wait(work)
         rows = buffer.view(self.world_size, unit.chunk)
         full = unit._full
         if full is None:
-            total = sum(self.world_size * s for s in unit.shard)
+            total = sum(self.world_size * s for s in unit.shards)
             full = unit._full = torch.empty(total, dtype=buffer.dtype, device=self.device)
             unit._views = []
             at = 0
-            for param, s in zip(unit.params, unit.shard):
+            for param, s in zip(unit.params, unit.shards):
                 padded = full.narrow(0, at, self.world_size * s)
                 unit._views.append((padded, padded[:param.ds_numel].view(param.ds_shape)))
                 at += self.world_size * s
         else:
             full.untyped_storage().resize_(full.numel() * full.element_size())
         with torch.no_grad():
-            for param, off, s, (padded, view) in zip(unit.params, unit.offsets, unit.shard, unit._views):
-                padded.view(self.world_size, s).copy_(rows[:, off:off + s])
+            for param, column, s, (padded, view) in zip(unit.params, unit.columns, unit.shards, unit._views):
+                padded.view(self.world_size, s).copy_(rows[:, column:column + s])
                 param.data = view
                 param.ds_status = ZeroParamStatus.AVAILABLE
-        unit.gathered = True
-        return True
+        unit.state = UnitState.GATHERED
 
     def gather(self, unit):
         """Make ``unit``'s parameters whole (a collective, unless already gathered or in flight)."""
-        if unit.gathered:
+        if unit.state is UnitState.GATHERED:
             return
-        if unit._inflight is None:
+        if unit.state is UnitState.SHARDED:
             self._launch_gather(unit)
-        self._finish_inflight(unit)
+        self._finish_gather(unit)
 
     def _prefetch_after(self, unit, forward):
         position = self._position.get(unit.index)
@@ -246,7 +295,7 @@ class UnitCoordinator:
         nxt = position + 1 if forward else position - 1
         if 0 <= nxt < len(self._trace):
             candidate = self._trace[nxt]
-            if not candidate.gathered and candidate._inflight is None and not candidate.persistent:
+            if candidate.state is UnitState.SHARDED and not candidate.persistent:
                 self._launch_gather(candidate)
 
 

@@ -14,6 +14,11 @@ master partition, of its optimizer state and of its gradient partition.
 
 A parameter may straddle chunks (and so ranks); zero-sized parameters take no
 space; padding elements are never read as gradients (they stay zero).
+
+:class:`UnitPartitionLayout` is the stage-3 counterpart: there every parameter is
+sharded on its own (``ds_shard_numel`` elements per rank) and a rank's partition of
+param group ``g`` is the concatenation, in unit order, of its shards of that group's
+parameters.
 """
 
 from dataclasses import dataclass, field
@@ -40,7 +45,6 @@ class PartitionSlot:
     shape: torch.Size
     bucket: int
     group: int
-    fired_serial: int = -1
 
 
 class PartitionedLayout:
@@ -122,3 +126,51 @@ class PartitionedLayout:
         if hi <= lo:
             return None
         return lo - slot.offset, hi - lo, bucket.part_offset + (lo - chunk_lo)
+
+
+@dataclass
+class UnitShardSlot:
+    """Where one stage-3 parameter's shard lives in its group partition."""
+    unit: int
+    group: int  # ``num_groups`` for a frozen parameter (the frozen shards' buffer)
+    part_offset: int
+    shard: int
+
+
+class UnitPartitionLayout:
+    """Stage 3: per param group, the rank's partition is its shards of the group's parameters, unit by unit.
+
+    ``group_of`` maps each trainable parameter to its optimizer param group; every other
+    parameter of the units is frozen and goes to a last pseudo-group (``num_groups``).
+    ``segments[u]`` lists, for unit ``u``, the runs of its row that belong to one group:
+    ``(group, part_offset, column, length)``, so a unit's piece of a group partition is one
+    contiguous segment.
+    """
+
+    def __init__(self, units, group_of, num_groups, world_size, rank):
+        self.world_size = world_size
+        self.rank = rank
+        self.num_groups = num_groups
+        self.slots = {}
+        self.segments = []
+        part_numel = [0] * (num_groups + 1)
+        for unit in units:
+            segments = []
+            for param, column, shard in zip(unit.params, unit.columns, unit.shards):
+                g = group_of.get(param, num_groups)
+                if segments and segments[-1][0] == g:
+                    group, offset, start, length = segments[-1]
+                    segments[-1] = (group, offset, start, length + shard)
+                else:
+                    segments.append((g, part_numel[g], column, shard))
+                self.slots[param] = UnitShardSlot(unit=unit.index, group=g, part_offset=part_numel[g], shard=shard)
+                part_numel[g] += shard
+            self.segments.append(segments)
+        self.group_part_numel = part_numel[:num_groups]
+        self.frozen_part_numel = part_numel[num_groups]
+        self.params = [p for u in units for p in u.params if p.requires_grad and p in group_of]
+
+    def shard_view(self, buffer, param):
+        """``param``'s shard inside a group partition (or the frozen shards' buffer) ``buffer``."""
+        slot = self.slots[param]
+        return buffer.narrow(0, slot.part_offset, slot.shard)

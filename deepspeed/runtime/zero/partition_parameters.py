@@ -275,6 +275,7 @@ class GatheredParameters(contextlib.ContextDecorator):
         if not self.enabled:
             return False
         import deepspeed.comm as dist
+        from deepspeed.runtime.backward.ownership import owner_of
         try:
             if self.modifier_rank is not None and exc[0] is None:
                 world, _ = _dp_world()
@@ -283,9 +284,9 @@ class GatheredParameters(contextlib.ContextDecorator):
                         if world > 1:
                             dist.broadcast(param.data, src=self.modifier_rank)
                         write_shard_from_full(param, param.data)
-                        owner = getattr(param, "_ds_grad_owner", None)
-                        if owner is not None:
-                            owner.engine._stage.params_modified(param)
+                        stage = owner_of(param)
+                        if stage is not None:
+                            stage.params_modified(param)
         finally:
             for param in self._gathered:
                 release_param(param)

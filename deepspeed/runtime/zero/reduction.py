@@ -1,0 +1,408 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Geometries of the gradient pipeline: where a bucket is staged, how it is reduced, where it is folded.
+
+A geometry gives :class:`~deepspeed.runtime.zero.grad_pipeline.GradPipeline` its buckets
+and five operations; the pipeline decides *when* (readiness, order, bounds), the geometry
+*where* and *how*:
+
+``copy_in(bucket, slots, grads, factor)``
+    add ``factor * grad`` of each slot into the bucket's staging (or, on a world of one,
+    straight into the window gradient);
+``add_late(store, slot, grad, factor)``
+    the same into a bucket-shaped tensor of ``store`` (the late store of a pass);
+``launch(bucket, own, late)``
+    start reducing the bucket's own staging (``own``) or ``late`` (None: zeros); returns a
+    :class:`Flight`, or None when there is nothing to reduce;
+``fold(flight)``
+    after the collective completed, add the result into the window gradient;
+``partitions()``
+    this rank's window gradient tensors (what the step's norm, clipping and optimizer read).
+
+Three geometries, one per kind of stage:
+
+* :class:`ReplicatedGeometry` (stage 0): the window gradient is one flat buffer ``acc``
+  replicated on every rank; a bucket is all-reduced in place while ``acc`` holds only
+  unreduced values there, and through a ``delta`` buffer added in afterwards;
+* :class:`PartitionGeometry` (stages 1, 2): flat buckets padded to a multiple of ``W`` are
+  reduce-scattered into the rank's fp32 (accumulation-dtype) partitions; staging is one
+  persistent full-size buffer (stage 1) or allocated per bucket and dropped at launch
+  (stage 2);
+* :class:`UnitGeometry` (stage 3): a parameter unit is staged rank-major (row ``r`` holds
+  every parameter's shard ``r``) and reduce-scattered into the rank's shards.
+
+Partitions may live on the host (optimizer offload); folding then goes through the
+transfers seam (pinned buffers on a side stream).
+"""
+
+import torch
+import torch.nn.functional as F
+
+import deepspeed.comm as dist
+from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.grad_buffer import FlatLayout
+from deepspeed.runtime.zero.grad_pipeline import GradBucket, GradSlot
+from deepspeed.runtime.zero.transfers import HostTransfers, PinnedRing, pinned
+from deepspeed.runtime.zero.transport import DEFAULT_TRANSPORT
+
+# Pinned host buffers for reduced chunks on their way to host partitions.
+HOST_RING_BUFFERS = 2
+
+
+class Flight:
+    """A bucket's reduction in flight: its work handle, where the result lands, what to clear after."""
+
+    __slots__ = ("bucket", "work", "out", "staged", "own")
+
+    def __init__(self, bucket, work, out, staged, own):
+        self.bucket = bucket
+        self.work = work
+        self.out = out
+        self.staged = staged
+        self.own = own
+
+
+def _world(group):
+    if dist.is_initialized():
+        return dist.get_world_size(group), dist.get_rank(group)
+    return 1, 0
+
+
+def _flat_copy_in(target, bucket, slots, grads, factor, fresh):
+    """Add ``factor * grads`` into the flat ``target`` laid out like ``bucket`` (overwrite when ``fresh``)."""
+    if slots is bucket.slots:  # every slot, in layout order: one contiguous run from offset 0
+        grad_ops.flatten_into(grads, target, factor, accumulate=not fresh)
+        return
+    if fresh:
+        target.zero_()
+    grad_ops.scale_accumulate([target.narrow(0, s.offset, s.numel).view(s.shape) for s in slots], grads, factor)
+
+
+def _comm_cast(tensor, comm_dtype):
+    return tensor if comm_dtype is None or tensor.dtype == comm_dtype else tensor.to(comm_dtype)
+
+
+class _Geometry:
+    """What every geometry shares: the group, the transport, host folding."""
+
+    replicated = False
+
+    def __init__(self, *, device, group, comm_dtype, accum_dtype, transport=None, part_device=None, pin_memory=False):
+        self.device = torch.device(device)
+        self.group = group
+        self.world_size, self.rank = _world(group)
+        self.accum_dtype = accum_dtype
+        self.comm_dtype = comm_dtype if comm_dtype is not None and comm_dtype != accum_dtype else None
+        self.transport = transport or DEFAULT_TRANSPORT
+        self.part_device = torch.device(part_device) if part_device is not None else self.device
+        self.pin_memory = pin_memory
+        self.identity = self.world_size == 1 and self.part_device == self.device
+        self._transfers = None
+        self._ring = None
+
+    def _new_part(self, numel):
+        return pinned(torch.zeros(numel, dtype=self.accum_dtype, device=self.part_device), self.pin_memory)
+
+    def _fold_into(self, part, piece):
+        """``part += piece`` where ``part`` may be on the host and ``piece`` on the device."""
+        if part.device == piece.device:
+            part.add_(piece)
+            return
+        if self._ring is None or self._ring.numel < piece.numel():
+            self._transfers = self._transfers or HostTransfers(self.device)
+            self._ring = PinnedRing(HOST_RING_BUFFERS, piece.numel(), piece.dtype, self.pin_memory)
+        index, host = self._ring.take(piece.numel())
+        done = self._transfers.copy(host, piece)
+        self._ring.used_by(index, done)
+        done.synchronize()  # the host add reads it now
+        part.add_(host)
+
+    def _reduce(self, send, chunk):
+        """Start reducing the flat ``send``; return ``(work, out)`` with ``out`` this rank's ``chunk`` elements."""
+        if self.world_size == 1:
+            return None, send
+        if self._use_reduce_scatter:
+            out = torch.empty(chunk, dtype=send.dtype, device=send.device)
+            return self.transport.reduce_scatter(out, send, self.group), out
+        work = self.transport.all_reduce(send, self.group)
+        return work, send.narrow(0, self.rank * chunk, chunk)
+
+    def zero_window(self):
+        for part in self.partitions():
+            part.zero_()
+
+    def release(self):
+        pass
+
+
+class ReplicatedGeometry(_Geometry):
+    """Stage 0: the window gradient ``acc`` is replicated; buckets are all-reduced (module docstring)."""
+
+    replicated = True
+
+    def __init__(self, params, *, bucket_numel, **common):
+        super().__init__(**common)
+        self.layout = layout = FlatLayout(params, bucket_numel)
+        self.acc = torch.zeros(layout.numel, dtype=self.accum_dtype, device=self.device)
+        self.buckets = []
+        self._regions = []
+        for spec in layout.buckets:
+            bucket = GradBucket(spec.index)
+            for param in spec.params:
+                slot = layout.slots[param]
+                bucket.slots.append(GradSlot(param, bucket, slot.offset - spec.start, slot.numel, slot.shape))
+            self.buckets.append(bucket)
+            self._regions.append(self.acc.narrow(0, spec.start, spec.numel))
+        self._views = {p: layout.view(self.acc, p) for p in layout.params}
+        self._delta = None
+        self._reduced = [False] * len(self.buckets)
+
+    def grad_view(self, param):
+        """The window gradient of ``param`` (reduced once the window is finished), shaped like it."""
+        return self._views[param]
+
+    def partitions(self):
+        return [self.acc]
+
+    def _delta_region(self, index):
+        if self._delta is None:
+            self._delta = torch.zeros_like(self.acc)
+        spec = self.layout.buckets[index]
+        return self._delta.narrow(0, spec.start, spec.numel)
+
+    def _staging(self, index):
+        return self._regions[index] if self.identity or not self._reduced[index] else self._delta_region(index)
+
+    def copy_in(self, bucket, slots, grads, factor):
+        _flat_copy_in(self._staging(bucket.index), bucket, slots, grads, factor, fresh=False)
+
+    def add_late(self, store, slot, grad, factor):
+        index = slot.bucket.index
+        buf = store.get(index)
+        if buf is None:
+            buf = store[index] = torch.zeros_like(self._regions[index])
+        buf.narrow(0, slot.offset, slot.numel).view(slot.shape).add_(grad, alpha=factor)
+
+    def launch(self, bucket, own, late):
+        if self.identity:
+            return None
+        index = bucket.index
+        if own:
+            staged = self._staging(index)
+        else:
+            staged = late if late is not None else torch.zeros_like(self._regions[index])
+        send = _comm_cast(staged, self.comm_dtype)
+        return Flight(bucket, self.transport.all_reduce(send, self.group), send, staged, own)
+
+    def fold(self, flight):
+        staged = flight.staged
+        if flight.out is not staged:
+            staged.copy_(flight.out)
+        index = flight.bucket.index
+        region = self._regions[index]
+        if staged is region:  # reduced in place: acc holds the reduced value of this bucket now
+            self._reduced[index] = True
+            return
+        region.add_(staged)
+        if flight.own:
+            staged.zero_()
+
+    def zero_window(self):
+        self.acc.zero_()
+        if self._delta is not None:
+            self._delta.zero_()
+        self._reduced = [False] * len(self.buckets)
+
+    def release(self):
+        self.acc = None
+        self._delta = None
+        self._views = {}
+        self._regions = []
+
+
+class PartitionGeometry(_Geometry):
+    """Stages 1 and 2: flat buckets reduce-scattered into the rank's partitions (module docstring)."""
+
+    def __init__(self, layout, *, persistent_staging, use_reduce_scatter, **common):
+        super().__init__(**common)
+        self.layout = layout
+        self._use_reduce_scatter = use_reduce_scatter
+        self.grad_parts = [self._new_part(numel) for numel in layout.group_part_numel]
+        self.buckets = []
+        self._dest = []
+        for spec in layout.buckets:
+            bucket = GradBucket(spec.index)
+            for param in spec.params:
+                if param.requires_grad:
+                    slot = layout.slots[param]
+                    bucket.slots.append(GradSlot(param, bucket, slot.offset - spec.start, slot.numel, slot.shape))
+            self.buckets.append(bucket)
+            self._dest.append(layout.bucket_part(self.grad_parts[spec.group], spec))
+        self._persistent = None
+        if persistent_staging and not self.identity:
+            self._persistent = torch.zeros(layout.numel, dtype=self.accum_dtype, device=self.device)
+
+    def partitions(self):
+        return self.grad_parts
+
+    def _persistent_region(self, index):
+        spec = self.layout.buckets[index]
+        return self._persistent.narrow(0, spec.start, spec.padded)
+
+    def copy_in(self, bucket, slots, grads, factor):
+        if self.identity:  # a world of one: the partition is the whole bucket
+            _flat_copy_in(self._dest[bucket.index], bucket, slots, grads, factor, fresh=False)
+        elif self._persistent is not None:
+            _flat_copy_in(self._persistent_region(bucket.index), bucket, slots, grads, factor, fresh=False)
+        else:
+            fresh = bucket.staging is None
+            if fresh:
+                padded = self.layout.buckets[bucket.index].padded
+                bucket.staging = torch.empty(padded, dtype=self.accum_dtype, device=self.device)
+            _flat_copy_in(bucket.staging, bucket, slots, grads, factor, fresh)
+
+    def add_late(self, store, slot, grad, factor):
+        index = slot.bucket.index
+        buf = store.get(index)
+        if buf is None:
+            buf = store[index] = torch.zeros(self.layout.buckets[index].padded,
+                                             dtype=self.accum_dtype,
+                                             device=self.device)
+        buf.narrow(0, slot.offset, slot.numel).view(slot.shape).add_(grad, alpha=factor)
+
+    def launch(self, bucket, own, late):
+        if self.identity or not bucket.slots:
+            return None
+        spec = self.layout.buckets[bucket.index]
+        reuse = None
+        if not own:
+            staged = late
+        elif self._persistent is not None:
+            staged = reuse = self._persistent_region(bucket.index)
+        else:
+            staged, bucket.staging = bucket.staging, None
+        if staged is None:
+            staged = torch.zeros(spec.padded, dtype=self.accum_dtype, device=self.device)
+        # A per-bucket staging is dropped here: the collective keeps it alive until it is done,
+        # so the memory of a whole gradient never accumulates. The persistent one is zeroed after.
+        work, out = self._reduce(_comm_cast(staged, self.comm_dtype), spec.chunk)
+        return Flight(bucket, work, out, reuse, own)
+
+    def fold(self, flight):
+        self._fold_into(self._dest[flight.bucket.index], flight.out)
+        if flight.staged is not None:
+            flight.staged.zero_()
+
+    def release(self):
+        self.grad_parts = []
+        self._dest = []
+        self._persistent = None
+
+
+class UnitGeometry(_Geometry):
+    """Stage 3: one rank-major reduce-scatter per parameter unit (module docstring).
+
+    ``units`` are the stage's :class:`~deepspeed.runtime.zero.parameter_units.ParamUnit`; the
+    partition layout gives each parameter's group and offset in its group partition.
+    """
+
+    def __init__(self, units, part_layout, *, use_reduce_scatter, **common):
+        super().__init__(**common)
+        self._use_reduce_scatter = use_reduce_scatter
+        self.units = units
+        self.part_layout = part_layout
+        self.grad_parts = [self._new_part(numel) for numel in part_layout.group_part_numel]
+        num_groups = len(self.grad_parts)
+        self.buckets = []
+        self._segments = []  # per unit: (group partition piece, column offset, length)
+        self._flat_dest = []  # per unit: world of one, one contiguous destination for every column, or None
+        for unit in units:
+            bucket = GradBucket(unit.index)
+            for param, column, shard in zip(unit.params, unit.columns, unit.shards):
+                if param.requires_grad and part_layout.slots[param].group < num_groups:
+                    bucket.slots.append(GradSlot(param, bucket, column, param.ds_numel, param.ds_shape, shard=shard))
+            segments = [(self.grad_parts[g].narrow(0, part_offset, length), column, length)
+                        for g, part_offset, column, length in part_layout.segments[unit.index] if g < num_groups]
+            whole = (len(segments) == 1 and len(bucket.slots) == len(unit.params)
+                     and all(s.numel == s.shard for s in bucket.slots))
+            self.buckets.append(bucket)
+            self._segments.append(segments)
+            self._flat_dest.append(segments[0][0] if whole and self.identity else None)
+
+    def partitions(self):
+        return self.grad_parts
+
+    def _rows(self, bucket):
+        return bucket.staging.view(self.world_size, -1)
+
+    def _every_column(self, bucket, slots):
+        return slots is bucket.slots and len(slots) == len(self.units[bucket.index].params)
+
+    def copy_in(self, bucket, slots, grads, factor):
+        if self.identity:
+            flat = self._flat_dest[bucket.index]
+            if flat is not None:
+                _flat_copy_in(flat, bucket, slots, grads, factor, fresh=False)
+            else:
+                views, taken = [], []
+                for slot, grad in zip(slots, grads):
+                    if slot.numel:
+                        views.append(self._dest_view(slot))
+                        taken.append(grad)
+                grad_ops.scale_accumulate(views, taken, factor)
+            return
+        fresh = bucket.staging is None
+        every = self._every_column(bucket, slots)
+        if fresh:
+            alloc = torch.empty if every else torch.zeros
+            bucket.staging = alloc(self.world_size * self.units[bucket.index].chunk,
+                                   dtype=self.accum_dtype,
+                                   device=self.device)
+        rows = self._rows(bucket)
+        if every:
+            grad_ops.chunk_into(grads, rows, factor, accumulate=not fresh)
+        else:
+            for slot, grad in zip(slots, grads):
+                self._add_rows(rows, slot, grad, factor)
+
+    def _dest_view(self, slot):
+        ps = self.part_layout.slots[slot.param]
+        return self.grad_parts[ps.group].narrow(0, ps.part_offset, slot.numel).view(slot.shape)
+
+    def _add_rows(self, rows, slot, grad, factor):
+        world = self.world_size
+        flat = grad.reshape(-1)
+        if flat.numel() != world * slot.shard:
+            flat = F.pad(flat, (0, world * slot.shard - flat.numel()))
+        rows.narrow(1, slot.offset, slot.shard).add_(flat.view(world, slot.shard), alpha=factor)
+
+    def add_late(self, store, slot, grad, factor):
+        index = slot.bucket.index
+        buf = store.get(index)
+        if buf is None:
+            buf = store[index] = torch.zeros(self.world_size * self.units[index].chunk,
+                                             dtype=self.accum_dtype,
+                                             device=self.device)
+        self._add_rows(buf.view(self.world_size, -1), slot, grad, factor)
+
+    def launch(self, bucket, own, late):
+        if self.identity or not bucket.slots:
+            return None
+        if own:
+            staged, bucket.staging = bucket.staging, None
+        else:
+            staged = late
+        chunk = self.units[bucket.index].chunk
+        if staged is None:
+            staged = torch.zeros(self.world_size * chunk, dtype=self.accum_dtype, device=self.device)
+        work, out = self._reduce(_comm_cast(staged, self.comm_dtype), chunk)
+        return Flight(bucket, work, out, None, own)
+
+    def fold(self, flight):
+        out = flight.out
+        for piece, column, length in self._segments[flight.bucket.index]:
+            self._fold_into(piece, out.narrow(0, column, length))
+
+    def release(self):
+        self.grad_parts = []
+        self._segments = []
+        self._flat_dest = []

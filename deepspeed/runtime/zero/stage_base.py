@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What every ZeRO stage shares: its gradient pipeline, the window interface and one norm/overflow semantics.
+
+A stage is built from a :class:`~deepspeed.runtime.zero.stages.StageConfig` and an
+accumulation clock (the engine's :class:`~deepspeed.runtime.accumulation.AccumulationWindow`)
+and owns:
+
+* ``pipeline``: the :class:`~deepspeed.runtime.zero.grad_pipeline.GradPipeline` the backward
+  session hands this engine's gradients to, with the stage's geometry and reduction policy
+  (stages 0 and 1 reduce in the boundary backward, stages 2 and 3 in every backward; none
+  while reduction is deferred);
+* the window interface the boundary step calls, the same for every stage:
+  ``finish_window``, ``global_grad_norm``, ``found_overflow``, ``scale_grads``,
+  ``optimizer_step``, ``zero_window``;
+* the accessors behind ``deepspeed.utils.safe_get_*``.
+
+Norm and overflow, one semantics for every stage: the global gradient norm is the square
+root of the sum, over every rank's window-gradient partitions, of their squared L2 norms
+(one all-reduce for partitioned stages; none for stage 0, whose window gradient is
+replicated); a step *overflows* when that norm is not finite. Every rank reaches the same
+verdict.
+"""
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.grad_pipeline import GradPipeline
+from deepspeed.runtime.zero.profiling import ds_range
+
+
+def fp32_grads(parts):
+    """The window gradient as float32 tensors: the partitions themselves, or float32 copies of them."""
+    return [p if p.dtype == torch.float32 else p.to(torch.float32) for p in parts]
+
+
+class ZeroStage:
+    """Base of the stage classes (see the module docstring)."""
+
+    stage = None
+    publishes_grads = False  # stage 0 with fp32 parameters: reduced gradients appear as param.grad
+
+    def __init__(self, config, optimizer, clock, *, device, group):
+        self.config = config
+        self.optimizer = optimizer
+        self.clock = clock
+        self.device = torch.device(device)
+        self.group = group
+        if dist.is_initialized():
+            self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        else:
+            self.world_size, self.rank = 1, 0
+        self.timers = None
+        self._norm = None
+        self.geometry = None
+        self.pipeline = None
+
+    def _build_pipeline(self, geometry, *, reduce_in_every_backward, in_flight_limit, **callbacks):
+        clock = self.clock
+        if reduce_in_every_backward:
+
+            def reduce_now():
+                return not clock.deferred()
+        else:
+
+            def reduce_now():
+                return clock.at_boundary() and not clock.deferred()
+
+        self.geometry = geometry
+        self.pipeline = GradPipeline(geometry,
+                                     reduce_now=reduce_now,
+                                     gas_fn=clock.gradient_accumulation_steps,
+                                     requires_loss_scale=self.config.requires_loss_scale,
+                                     average=self.config.average,
+                                     in_flight_limit=in_flight_limit,
+                                     publishes_grads=self.publishes_grads,
+                                     **callbacks)
+        return self.pipeline
+
+    @property
+    def params(self):
+        """The trainable parameters this stage owns (their gradients go to ``pipeline``)."""
+        return self.pipeline.params
+
+    def set_timers(self, timers):
+        self.timers = timers
+
+    # ------------------------------------------------------------ the window
+    def after_forward(self):
+        """The engine's forward returned (stage 3 ends its first-forward trace)."""
+
+    def window_is_empty(self):
+        """No backward reached this engine since the window began."""
+        return self.pipeline.backward_count == 0
+
+    def finish_window(self):
+        """Complete every reduction of the window; the window gradient is then final."""
+        self._norm = None
+        self.pipeline.finish_window()
+
+    def global_grad_norm(self):
+        """The window gradient's global L2 norm, a 0-dim float32 tensor on the device (cached until zeroed)."""
+        if self._norm is None:
+            with ds_range("DS::grad_norm"):
+                sq = torch.zeros((), dtype=torch.float32, device=self.device)
+                by_device = {}
+                for part in self.geometry.partitions():
+                    by_device.setdefault(part.device, []).append(part)
+                for parts in by_device.values():
+                    sq = sq + grad_ops.partial_sq_norm(parts, device=self.device)
+                if not self.geometry.replicated and self.world_size > 1:
+                    dist.all_reduce(sq, group=self.group)
+                self._norm = sq.sqrt()
+        return self._norm
+
+    def found_overflow(self):
+        return not bool(torch.isfinite(self.global_grad_norm()).item())
+
+    def scale_grads(self, coef):
+        """Multiply the window gradient by ``coef`` (a 0-dim device tensor; clipping)."""
+        by_device = {}
+        for part in self.geometry.partitions():
+            by_device.setdefault(part.device, []).append(part)
+        for device, parts in by_device.items():
+            grad_ops.scale_(parts, coef.to(device) if torch.is_tensor(coef) else coef)
+
+    def optimizer_step(self):
+        raise NotImplementedError
+
+    def zero_window(self):
+        self._norm = None
+        self.pipeline.zero_window()
+
+    def release(self):
+        self.pipeline.release()
+
+    # ------------------------------------------------------------- accessors
+    def params_modified(self, param):
+        """``param``'s stored value was rewritten outside the engine (ZeRO-3 ``GatheredParameters``)."""
+
+    def local_grad(self, param):
+        return self.full_grad(param)
+
+    def local_fp32_param(self, param):
+        return self.fp32_param(param)
+
+
+def trainable_groups(optimizer):
+    """Per optimizer param group, its trainable parameters (each parameter once, in the first group naming it)."""
+    seen = set()
+    groups = []
+    for param_group in optimizer.param_groups:
+        trainable = []
+        for p in param_group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                trainable.append(p)
+        groups.append(trainable)
+    return groups

@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Building a ZeRO stage: one typed configuration and a registry of stage classes.
+
+The engine turns its :class:`~deepspeed.runtime.config.DeepSpeedConfig` into a frozen
+:class:`StageConfig` and calls :func:`build_stage`; it never branches on the stage number
+nor reads a stage's fields. A stage class takes ``(module, optimizer, config, clock,
+device=, group=)`` and provides the interface of
+:class:`~deepspeed.runtime.zero.stage_base.ZeroStage`.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Everything a stage needs from the DeepSpeed config, validated and typed."""
+    stage: int
+    model_dtype: torch.dtype
+    accum_dtype: torch.dtype = torch.float32
+    comm_dtype: Optional[torch.dtype] = None  # None: communicate in the accumulation dtype
+    average: bool = True  # gradient_allreduce_op "mean" (1/W folded into the factor) or "sum"
+    requires_loss_scale: bool = False  # fp16: gradients must come through a loss-scaling seed
+    bucket_numel: int = int(5e8)
+    overlap_comm: bool = False
+    use_reduce_scatter: bool = True
+    offload_optimizer: Optional[str] = None  # "cpu" or None
+    offload_param: Optional[str] = None  # "cpu" or None (stage 3)
+    pin_memory: bool = False
+    unit_numel: int = int(5e7)  # stage 3: stage3_prefetch_bucket_size
+    persistence_threshold: int = int(1e5)  # stage 3: stage3_param_persistence_threshold
+
+    @classmethod
+    def from_ds_config(cls, cfg, model_dtype):
+        """The stage config of a parsed DeepSpeed config; NotImplementedError for what is not supported."""
+        zero = cfg.zero_config
+        stage = cfg.zero_optimization_stage
+        offload_optimizer = _device_name(zero.offload_optimizer_device) if stage > 0 else "none"
+        offload_param = _device_name(zero.offload_param_device) if stage == 3 else "none"
+        if "nvme" in (offload_optimizer, offload_param):
+            raise NotImplementedError("NVMe offload is not supported; see docs/compatibility.md")
+        return cls(stage=stage,
+                   model_dtype=model_dtype,
+                   accum_dtype=cfg.grad_accum_dtype or torch.float32,
+                   comm_dtype=cfg.communication_data_type,
+                   average=cfg.gradient_allreduce_op != "sum",
+                   requires_loss_scale=bool(cfg.fp16_enabled),
+                   bucket_numel=int(zero.reduce_bucket_size),
+                   overlap_comm=bool(zero.overlap_comm),
+                   use_reduce_scatter=bool(zero.reduce_scatter),
+                   offload_optimizer="cpu" if offload_optimizer == "cpu" else None,
+                   offload_param="cpu" if offload_param == "cpu" else None,
+                   pin_memory=bool(zero.offload_optimizer is not None and zero.offload_optimizer.pin_memory),
+                   unit_numel=max(1, int(zero.stage3_prefetch_bucket_size)),
+                   persistence_threshold=int(zero.stage3_param_persistence_threshold))
+
+
+def _device_name(device):
+    return str(getattr(device, "value", device))
+
+
+def _registry():
+    from deepspeed.runtime.zero.stage0 import Stage0
+    from deepspeed.runtime.zero.stage3 import Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import PartitionedStage
+    return {0: Stage0, 1: PartitionedStage, 2: PartitionedStage, 3: Stage3}
+
+
+def build_stage(config, module, optimizer, clock, *, device, group):
+    """The stage object for ``config.stage`` (see the module docstring)."""
+    stages = _registry()
+    if config.stage not in stages:
+        raise NotImplementedError(f"zero_optimization.stage={config.stage} is not available in this release; see "
+                                  f"docs/compatibility.md")
+    return stages[config.stage](module, optimizer, config, clock, device=device, group=group)

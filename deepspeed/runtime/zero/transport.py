@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The collectives of the gradient pipeline and the ZeRO stages, behind one small interface.
+
+A :class:`Transport` starts a collective and returns its work handle (``None`` when the
+collective completed at once, as on a world of one). The pipeline waits on the handle
+before it reads the output. Every call is asynchronous on the caller's side: on NCCL a
+wait only orders the compute stream after the collective, it does not block the host.
+
+The default, :class:`CommTransport`, sends everything through ``deepspeed.comm`` (so the
+comms logger sees it). A quantized or hierarchical reduction plugs in by implementing
+the three methods; a stage takes its transport at construction.
+"""
+
+import deepspeed.comm as dist
+
+
+class Transport:
+    """The three collectives the pipeline needs (see the module docstring)."""
+
+    def all_reduce(self, tensor, group):
+        """Start a sum all-reduce of ``tensor`` in place; return its work handle or None."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, output, input, group):
+        """Start a sum reduce-scatter of ``input`` (``W`` equal chunks) into ``output`` (one chunk)."""
+        raise NotImplementedError
+
+    def all_gather(self, output, input, group):
+        """Start an all-gather of every rank's ``input`` into ``output`` (``W`` chunks, rank order)."""
+        raise NotImplementedError
+
+
+class CommTransport(Transport):
+    """The default transport: asynchronous ``deepspeed.comm`` collectives."""
+
+    def all_reduce(self, tensor, group):
+        return dist.all_reduce(tensor, group=group, async_op=True)
+
+    def reduce_scatter(self, output, input, group):
+        return dist.reduce_scatter_tensor(output, input, group=group, async_op=True)
+
+    def all_gather(self, output, input, group):
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=True)
+
+
+DEFAULT_TRANSPORT = CommTransport()
+
+
+def wait(work):
+    """Complete ``work`` (a handle a transport returned, or None)."""
+    if work is not None:
+        work.wait()
