@@ -73,6 +73,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.window = AccumulationWindow(cfg.gradient_accumulation_steps, cfg.managed_gradient_accumulation)
         self._step_applied = False
         self._warned_empty_step = False
+        self._is_compiled = False
 
         self.module = model
         self._prepare_module(model, dont_change_device)
@@ -288,6 +289,32 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             yield
         if not self.window.deferred() and self._stage is not None and self.window.at_boundary():
             self._stage.finish_window()
+
+    # ------------------------------------------------------------ torch.compile
+    def compile(self, backend=None, compile_kwargs=None, schedule=None, compiled_autograd_enabled=False):
+        """Compile the wrapped module in place with ``torch.compile`` (``backend`` default: the accelerator's).
+
+        Gradients stay exact on every stage: the engine's hooks run eagerly between compiled regions
+        (ZeRO-3 gathers and releases parameters there; these are graph breaks). Compiled autograd
+        and DeepCompile schedules are not supported.
+        """
+        if schedule is not None:
+            raise NotImplementedError("engine.compile(schedule=...) (DeepCompile) is not supported; see "
+                                      "docs/compatibility.md")
+        if compiled_autograd_enabled:
+            raise NotImplementedError("engine.compile(compiled_autograd_enabled=True) is not supported: the backward "
+                                      "session keys on autograd graph tasks; see docs/compatibility.md")
+        if self._is_compiled:
+            return
+        backend = backend or get_accelerator().get_compile_backend() or "inductor"
+        self.module.compile(backend=backend, **dict(compile_kwargs or {}))
+        if self._stage is not None:
+            self._stage.compiled()
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self):
+        return self._is_compiled
 
     # ----------------------------------------------------- forward / backward
     def forward(self, *inputs, **kwargs):

@@ -165,6 +165,9 @@ class Stage3(ZeroStage):
     def after_forward(self):
         self.coordinator.end_of_first_forward()
 
+    def compiled(self):
+        self.coordinator.reinstall_hooks()
+
     def release(self):
         self.coordinator.remove_hooks()
         super().release()

@@ -89,6 +89,9 @@ class ZeroStage:
     def after_forward(self):
         """The engine's forward returned (stage 3 ends its first-forward trace)."""
 
+    def compiled(self):
+        """The module was just compiled (torch.compile is loaded): hooks compiled code must not trace are re-marked."""
+
     def window_is_empty(self):
         """No backward reached this engine since the window began."""
         return self.pipeline.backward_count == 0

@@ -61,7 +61,7 @@ def make_config(cell, gas, shape):
 class Reference:
     """Plain-torch training of the same models: the expected gradients and parameters."""
 
-    def __init__(self, models, dtype, gas, world_size, loss_scale, device=None, divisor=None):
+    def __init__(self, models, dtype, gas, world_size, loss_scale, device=None, divisor=None, accum_dtype=None):
         self.models = [copy.deepcopy(m).to(device=device, dtype=dtype) for m in models]
         self.gas = gas
         self.world_size = world_size
@@ -73,7 +73,13 @@ class Reference:
             for t in masters.values():
                 t.requires_grad_(True)
             self.optimizers.append(torch.optim.SGD(list(masters.values()), lr=LR, momentum=MOMENTUM, foreach=False))
-        self.accum = [{n: torch.zeros_like(p) for n, p in masters.items()} for masters in self.masters]
+        # The window's gradient, accumulated in the engine's accumulation dtype: fp32 by default; with
+        # bf16 accumulation each rank's contribution of each micro-step is rounded and added in bf16.
+        self.accum_dtype = accum_dtype or torch.float32
+        self.accum = [{
+            n: torch.zeros_like(p, dtype=self.accum_dtype)
+            for n, p in masters.items()
+        } for masters in self.masters]
 
     def micro_step(self, shape, t, batch=None):
         """Run micro-step ``t`` of ``shape`` for every rank's data and add it to the window."""
@@ -92,15 +98,15 @@ class Reference:
         for drv in drivers:
             for grads, local in zip(self.accum, drv.local):
                 for name, g in local.items():
-                    grads[name] += g
+                    grads[name] += g.to(self.accum_dtype)
 
     def step(self, i):
         grads = self.accum[i]
-        norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads.values()]))
+        norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1).float() for g in grads.values()]))
         coef = min(1.0, CLIP / (float(norm) + 1e-6))
         with torch.no_grad():
             for name, master in self.masters[i].items():
-                master.grad = grads[name] * coef
+                master.grad = grads[name].float() * coef
             self.optimizers[i].step()
             for name, param in self.models[i].named_parameters():
                 param.copy_(self.masters[i][name])
@@ -110,7 +116,10 @@ class Reference:
 
 
 def _compare(what, actual, expected, tol):
-    torch.testing.assert_close(actual.float().to(expected.device), expected, **tol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(actual.float().to(expected.device),
+                               expected.float(),
+                               **tol,
+                               msg=lambda m: f"{what}: {m}")
 
 
 def cell_device(cell):
@@ -128,6 +137,12 @@ def _check_released(engines):
             if not param.ds_persist:
                 assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.data.numel() == 0, \
                     f"{name} is still gathered after backward"
+
+
+def _named(engine):
+    """The engine's parameters by the plain model's names (``torch.compile`` wraps the model as ``_orig_mod``)."""
+    prefix = "_orig_mod."
+    return [(n[len(prefix):] if n.startswith(prefix) else n, p) for n, p in engine.module.named_parameters()]
 
 
 def run_cell(cell):
@@ -151,9 +166,24 @@ def run_cell(cell):
     def batch(r, t):
         return tuple(x.to(device) for x in make_batch(r, t))
 
-    summed = cell.get("zero_extra_top", {}).get("gradient_allreduce_op") == "sum"
-    ref = Reference(models, dtype, gas, world, loss_scale, device, divisor=1 if summed else world)
+    top = cell.get("zero_extra_top", {})
+    summed = top.get("gradient_allreduce_op") == "sum"
+    accum_dtype = DTYPES.get(top.get("data_types", {}).get("grad_accum_dtype"))
+    ref = Reference(models,
+                    dtype,
+                    gas,
+                    world,
+                    loss_scale,
+                    device,
+                    divisor=1 if summed else world,
+                    accum_dtype=accum_dtype)
+    compiled = cell.get("compile")  # None, "torch" (torch.compile before initialize) or "engine" (engine.compile)
+    if compiled == "torch":
+        models = [torch.compile(m, backend=cell.get("backend", "inductor")) for m in models]
     engines = [deepspeed.initialize(model=m, config=make_config(cell, g, shape))[0] for m, g in zip(models, gas)]
+    if compiled == "engine":
+        for engine in engines:
+            engine.compile(backend=cell.get("backend", "inductor"))
     drv = EngineDriver(engines, fp16=cell["dtype"] == "fp16")
     period = math.lcm(*gas)
     checked = 0
@@ -172,7 +202,7 @@ def run_cell(cell):
                 # Unmanaged accumulation reduces inside step(): there the step's norm and
                 # parameters (which determine the gradient exactly under SGD) are checked.
                 if boundary[i] and shape.protocol != "unmanaged":
-                    for name, param in engine.module.named_parameters():
+                    for name, param in _named(engine):
                         _compare(f"rank {rank} step {t} engine {i} grad {name}", safe_get_full_grad(param),
                                  ref.accum[i][name], cell.get("grad_tol", GRAD_TOL[cell["dtype"]]))
                 if shape.protocol in ("accelerate", "unmanaged") and not boundary[i]:
@@ -183,9 +213,9 @@ def run_cell(cell):
                     ref_norm = ref.step(i)
                     got_norm = engine.get_global_grad_norm()
                     assert abs(got_norm - ref_norm) <= 1e-2 * ref_norm + 1e-5, (got_norm, ref_norm)
-                    for name, param in engine.module.named_parameters():
+                    for name, param in _named(engine):
                         _compare(f"rank {rank} step {t} engine {i} param {name}", safe_get_full_fp32_param(param),
-                                 ref.masters[i][name].detach(), PARAM_TOL[cell["dtype"]])
+                                 ref.masters[i][name].detach(), cell.get("param_tol", PARAM_TOL[cell["dtype"]]))
                     checked += 1
         for engine in engines:
             assert engine.get_loss_scale() == loss_scale
