@@ -115,6 +115,15 @@ _TORCH = {
 }
 _impl = dict(_TORCH)
 
+# The public names start as the torch implementations; use_native() rebinds them.
+scale_accumulate = _scale_accumulate
+flatten_into = _flatten_into
+chunk_into = _chunk_into
+partial_sq_norm = _partial_sq_norm
+scale_ = _scale_
+cast_copy = _cast_copy
+pack_cast = _pack_cast
+
 
 def use_native(name, fn):
     """Replace the implementation of ``name`` by ``fn`` (same signature and contract).
@@ -140,6 +149,3 @@ def reset():
     _impl.update(_TORCH)
     globals().update(_TORCH)
 
-
-# The public names start as the torch implementations.
-globals().update(_TORCH)

@@ -165,7 +165,7 @@ BF16_ACCUM_SHAPES = [
 @pytest.mark.parametrize("shape", BF16_ACCUM_SHAPES)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_accumulation(stage, shape, world):
-    """``data_types.grad_accum_dtype: bf16`` (upstream's default) on every stage, against a bf16-accumulating reference.
+    """``data_types.grad_accum_dtype: bf16`` (upstream's default), every stage, against a bf16-accumulating reference.
 
     The reference rounds each rank's contribution of each micro-step to bf16 and adds it in bf16; the
     engine sums in another order (per rank, then over ranks; or reduced every micro-step), so results
