@@ -100,8 +100,9 @@ class MonitorMaster(Monitor):
     """Every enabled backend of a :class:`~deepspeed.monitor.config.DeepSpeedMonitorConfig`, on global rank 0.
 
     Construction is collective when any backend is enabled and torch.distributed is initialised: call it on every
-    rank, in the same order. Afterwards either every rank raised the same setup error, or rank 0 holds one open
-    backend per enabled section and the other ranks hold none.
+    rank, in the same order, with the same sections enabled (the engine's config is the same on every rank).
+    Afterwards either every rank raised the same setup error, or rank 0 holds one open backend per enabled section
+    and the other ranks hold none.
     """
 
     def __init__(self, monitor_config):
