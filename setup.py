@@ -2,7 +2,8 @@
 """Packaging for the ``deepspeed`` distribution.
 
 The version comes from ``version.txt``; runtime and development requirements come from
-``requirements/requirements.txt`` and ``requirements/requirements-dev.txt``. Native sources kept in a
+``requirements/requirements.txt`` and ``requirements/requirements-dev.txt``; the ``tensorboard`` extra installs what
+the TensorBoard monitor needs. Native sources kept in a
 ``csrc`` directory inside the package are shipped as package data. Nothing is compiled at install time.
 """
 
@@ -67,7 +68,11 @@ setup(
     include_package_data=True,
     python_requires=">=3.9",
     install_requires=read_requirements("requirements/requirements.txt"),
-    extras_require={"dev": read_requirements("requirements/requirements-dev.txt")},
+    extras_require={
+        "dev": read_requirements("requirements/requirements-dev.txt"),
+        # the tensorboard monitor writes through torch.utils.tensorboard, which needs this package
+        "tensorboard": ["tensorboard"],
+    },
     entry_points={
         "console_scripts": [
             "deepspeed = deepspeed.launcher.runner:main",

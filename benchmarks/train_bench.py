@@ -14,7 +14,8 @@ the others still run; a failure on some ranks only can leave the others waiting 
 process-group timeout, ``--pg-timeout-min``).
 
 Rank 0 prints a markdown table and JSON lines, and writes them to ``--out`` and ``<out without .md>.jsonl`` (both
-rewritten after every system).
+rewritten after every system). Each JSON line holds the system's loss and time of every step; ``--plot FILE.png``
+draws them (loss and step time per system, see ``benchmarks/plots.py``; needs matplotlib) when all systems ran.
 """
 
 import argparse
@@ -72,6 +73,10 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--pg-timeout-min", type=float, default=10.0)
     parser.add_argument("--out", default=None, help="markdown output file (JSON lines go next to it)")
+    parser.add_argument("--plot",
+                        default=None,
+                        metavar="FILE.png",
+                        help="draw loss and step time per system into this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in args.systems if s not in SYSTEMS]
@@ -289,6 +294,10 @@ def main(argv=None):
             _write(args.out, render(rows, header), rows)
     if rank == 0:
         print(render(rows, header), flush=True)
+        if args.plot:
+            from benchmarks.plots import plot_rows
+            plot_rows(rows, args.plot, title=header[0].lstrip("# "))
+            print(f"[train_bench] plot written to {args.plot}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     # Only rank 0 reports failure: a nonzero exit of another rank would make torchrun kill rank 0 mid-report.

@@ -10,8 +10,9 @@ Every collective takes torch.distributed's arguments and returns what it returns
 * equivalents for collectives a backend lacks (see ``fallbacks.py``), chosen per
   process group the first time the backend refuses one.
 
-The collectives are on the training hot path: each costs one dict lookup and one
-attribute test on top of torch.distributed, and logs nothing.
+The collectives are on the training hot path: each costs one dict lookup and two
+attribute tests on top of torch.distributed (one of them asks whether the comms
+logger is on; see ``timed.py``), and logs nothing unless the comms logger is enabled.
 """
 
 import os
@@ -24,6 +25,7 @@ from . import fallbacks
 from .env import discover
 from .fallbacks import COLLECTIVE_ERRORS, all_gather_single, reduce_scatter_single
 from .reduce_op import ReduceOp
+from .timed import comms_logger, timed_op
 
 _CAPS = fallbacks._CAPABILITIES
 _capabilities = fallbacks.capabilities
@@ -50,8 +52,10 @@ def init_distributed(dist_backend=None,
     is False, which leaves it as it is); ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``
     are in ``os.environ``; on CUDA the current device is ``LOCAL_RANK``. The
     backend defaults to the accelerator's (``nccl`` on CUDA, ``gloo`` on CPU).
-    ``config`` (comms-logger settings) is accepted and ignored.
+    ``config`` (a DeepSpeed config dict or ``DeepSpeedConfig``) configures the comms logger.
     """
+    if config is not None:
+        configure(deepspeed_config=config)
     if dist_init_required is False or is_initialized():
         return
 
@@ -145,21 +149,54 @@ def has_reduce_scatter_tensor():
 
 
 def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None, debug=None):
-    """Comms-logger settings: accepted for compatibility; this layer does not log collectives."""
+    """Set up the comms logger from a config (a dict or ``DeepSpeedConfig``), then apply any explicit argument.
+
+    The engine calls it with its config at construction. Keys: ``comms_logger.{enabled, verbose, prof_all,
+    prof_ops, debug}`` (see ``deepspeed/utils/comms_logging.py``).
+    """
+    if deepspeed_config is not None:
+        comms_config = getattr(deepspeed_config, "comms_config", None)
+        if comms_config is None:
+            from .config import DeepSpeedCommsConfig
+            comms_config = DeepSpeedCommsConfig(deepspeed_config)
+        comms_logger.configure(comms_config)
+    if enabled is not None:
+        comms_logger.enabled = bool(enabled)
+    if prof_all is not None:
+        comms_logger.prof_all = bool(prof_all)
+    if prof_ops is not None:
+        comms_logger.prof_ops = list(prof_ops)
+    if verbose is not None:
+        comms_logger.verbose = bool(verbose)
+    if debug is not None:
+        comms_logger.debug = bool(debug)
 
 
 def log_summary(show_straggler=False, return_dict=False):
-    """Comms-logger summary: there is nothing to summarise (see ``configure``)."""
-    return {} if return_dict else None
+    """Print the comms logger's summary on rank 0 (every rank must call it: it synchronises the ranks).
+
+    With ``return_dict`` returns the summary (``{"summary": {name: {msg_size: {...}}}, "straggler_analysis",
+    "metadata"}``) on every rank; see ``CommsLogger.log_all``.
+    """
+    if is_initialized():
+        dist.barrier()
+    result = comms_logger.log_all(print_log=(not is_initialized() or get_rank() == 0),
+                                  show_straggler=show_straggler,
+                                  return_dict=return_dict)
+    if is_initialized():
+        dist.barrier()
+    return result
 
 
 # ---- collectives ------------------------------------------------------------------------------------
 
 
+@timed_op
 def barrier(group=None, async_op=False, device_ids=None):
     return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
 
 
+@timed_op
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     """torch's ``monitored_barrier`` where the backend has one (gloo), a plain barrier elsewhere."""
     if get_backend(group) == "gloo":
@@ -167,6 +204,7 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     return dist.barrier(group=group)
 
 
+@timed_op
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     caps = _CAPS.get(group) or _capabilities(group)
     if caps.avg or op != _AVG:
@@ -181,6 +219,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
 inference_all_reduce = all_reduce
 
 
+@timed_op
 def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False):
     """All-reduce a list of tensors in place with one collective per (device, dtype)."""
     caps = _capabilities(group)
@@ -192,6 +231,7 @@ def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False):
     return fallbacks.all_reduce_coalesced(caps, tensors, op, group, async_op)
 
 
+@timed_op
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
     caps = _CAPS.get(group) or _capabilities(group)
     if caps.avg or op != _AVG:
@@ -203,6 +243,7 @@ def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
     return fallbacks.reduce(caps, tensor, dst, op, group, async_op)
 
 
+@timed_op
 def reduce_scatter_tensor(output_tensor, input_tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``input_tensor`` (world_size x output's size) over the group; rank r keeps chunk r."""
     caps = _CAPS.get(group) or _capabilities(group)
@@ -219,6 +260,7 @@ def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_
     return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
+@timed_op
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``input_list`` elementwise over the group; rank r receives the reduced ``input_list[r]``."""
     caps = _CAPS.get(group) or _capabilities(group)
@@ -231,6 +273,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     return fallbacks.reduce_scatter(caps, output, input_list, op, group, async_op)
 
 
+@timed_op
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (rank order, along dim 0)."""
     caps = _CAPS.get(group) or _capabilities(group)
@@ -247,15 +290,18 @@ def allgather_fn(output_tensor, input_tensor, group=None, async_op=False):
     return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
+@timed_op
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
 
+@timed_op
 def broadcast(tensor, src, group=None, async_op=False):
     """Broadcast from global rank ``src``."""
     return dist.broadcast(tensor, src, group=group, async_op=async_op)
 
 
+@timed_op
 def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     return dist.all_to_all_single(output,
                                   tensor,
@@ -265,30 +311,37 @@ def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes
                                   async_op=async_op)
 
 
+@timed_op
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
 
 
+@timed_op
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
     return dist.gather(tensor, gather_list=gather_list, dst=dst, group=group, async_op=async_op)
 
 
+@timed_op
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
     return dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group, async_op=async_op)
 
 
+@timed_op
 def send(tensor, dst, group=None, tag=0):
     return dist.send(tensor, dst, group=group, tag=tag)
 
 
+@timed_op
 def recv(tensor, src=None, group=None, tag=0):
     return dist.recv(tensor, src=src, group=group, tag=tag)
 
 
+@timed_op
 def isend(tensor, dst, group=None, tag=0):
     return dist.isend(tensor, dst, group=group, tag=tag)
 
 
+@timed_op
 def irecv(tensor, src=None, group=None, tag=0):
     return dist.irecv(tensor, src=src, group=group, tag=tag)
 

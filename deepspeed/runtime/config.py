@@ -22,7 +22,7 @@ import torch
 
 from .config_utils import (ConfigDict, ConfigSection, DeepSpeedConfigError, boolean, config_field, dtype, integer,
                            load_config, logger, mapping, number, one_of, optional, raise_on_auto_values, section, size,
-                           string_list)
+                           string, string_list)
 from .constants import (ACTIVATION_CHECKPOINTING, AIO, AMP, CHECKPOINT, CHECKPOINT_TAG_VALIDATION_MODES, COMET,
                         CSV_MONITOR, DATA_TYPES, DEEPSPEED_LR_SCHEDULES, DEEPSPEED_OPTIMIZERS, ELASTICITY,
                         GRADIENT_ALLREDUCE_OP_SUM, GRADIENT_ALLREDUCE_OP_SUPPORTED, KNOWN_TOP_LEVEL_KEYS,
@@ -31,6 +31,8 @@ from .constants import (ACTIVATION_CHECKPOINTING, AIO, AMP, CHECKPOINT, CHECKPOI
 from .precision.config import (DeepSpeedBF16Config, DeepSpeedFP16Config, bfloat16_section_name, get_bfloat16_config,
                                get_float16_config)
 from .zero.config import DeepSpeedZeroConfig, ZeroStageEnum, get_zero_config
+
+EIGENVALUE = "eigenvalue"
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError", "load_config", "resolve_batch_sizes"]
 
@@ -195,6 +197,20 @@ class _TorchAutocastSection(ConfigSection):
     enabled: bool = config_field(False, parse=boolean())
     dtype: Optional[torch.dtype] = config_field(None, parse=optional(dtype()))
     lower_precision_safe_modules: Optional[Tuple[str, ...]] = config_field(None, parse=optional(string_list()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _EigenvalueSection(ConfigSection):
+    """Upstream's keys and defaults; see ``deepspeed/runtime/eigenvalue.py``. ``layer_num`` 0 means every
+    block of ``layer_name``."""
+    enabled: bool = config_field(False, parse=boolean())
+    verbose: bool = config_field(False, parse=boolean())
+    max_iter: int = config_field(100, parse=integer(minimum=1))
+    tol: float = config_field(1e-2, parse=number(minimum=0.0))
+    stability: float = config_field(1e-6, parse=number(minimum=0.0))
+    gas_boundary_resolution: int = config_field(1, parse=integer(minimum=1))
+    layer_name: str = config_field("bert.encoder.layer", parse=string())
+    layer_num: int = config_field(0, parse=integer(minimum=0))
 
 
 def _loose_dict(param_dict: dict, key: str) -> dict:
@@ -372,11 +388,31 @@ class DeepSpeedConfig:
         self.csv_monitor_config = _loose_dict(param_dict, CSV_MONITOR)
         self.wandb_config = _loose_dict(param_dict, WANDB)
         self.comet_config = _loose_dict(param_dict, COMET)
+        self._initialize_observability(param_dict)
 
         elasticity = _loose_dict(param_dict, ELASTICITY)
         if boolean()(elasticity.get("enabled", False), f"{ELASTICITY}.enabled"):
             raise DeepSpeedConfigError(f"config key '{ELASTICITY}.enabled' is true, but elastic training is not "
                                        "supported; remove the 'elasticity' section and set the batch sizes directly")
+
+    def _initialize_observability(self, param_dict: dict) -> None:
+        """The monitor, comms logger, flops profiler and eigenvalue sections (typed: unknown keys raise)."""
+        from deepspeed.comm.config import DeepSpeedCommsConfig
+        from deepspeed.monitor.config import get_monitor_config
+        from deepspeed.profiling.config import get_flops_profiler_config
+        self.monitor_config = get_monitor_config(param_dict)
+        self.comms_config = DeepSpeedCommsConfig(param_dict)
+        self.flops_profiler_config = get_flops_profiler_config(param_dict)
+        self.eigenvalue_config = _EigenvalueSection.from_dict(param_dict.get(EIGENVALUE), EIGENVALUE)
+        ev = self.eigenvalue_config
+        self.eigenvalue_enabled = ev.enabled
+        self.eigenvalue_verbose = ev.verbose
+        self.eigenvalue_max_iter = ev.max_iter
+        self.eigenvalue_tol = ev.tol
+        self.eigenvalue_stability = ev.stability
+        self.eigenvalue_gas_boundary_resolution = ev.gas_boundary_resolution
+        self.eigenvalue_layer_name = ev.layer_name
+        self.eigenvalue_layer_num = ev.layer_num
 
     def _initialize_precision(self, param_dict: dict) -> None:
         self.float16_config: DeepSpeedFP16Config = get_float16_config(param_dict)

@@ -23,10 +23,11 @@ from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.engine_optimizer import EngineOptimizer
+from deepspeed.runtime.instrumentation import EngineInstrumentation
 from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
 from deepspeed.runtime.zero.stages import StageConfig, build_stage
-from deepspeed.utils.logging import log_dist, logger
+from deepspeed.utils.logging import log_dist
 
 
 class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
@@ -76,6 +77,13 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._is_compiled = False
 
         self.module = model
+        # Monitor, timers, comms logger, flops profiler, eigenvalue: set up (and checked on every rank) before the
+        # first collective.
+        self._instruments = EngineInstrumentation(self)
+        self.monitor = self._instruments.monitor
+        self.timers = self._instruments.timers.timers
+        self.flops_profiler = self._instruments.flops_profiler
+        self.eigenvalue = self._instruments.eigenvalue
         self._prepare_module(model, dont_change_device)
         self.loss_scaler = create_loss_scaler(cfg.fp16_enabled, cfg.loss_scale, cfg.dynamic_loss_scale_args)
 
@@ -85,6 +93,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._ownership = None
         if self.basic_optimizer is not None:
             self._configure_stage()
+            self._instruments.attach_stage(self._stage)
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None
@@ -263,6 +272,13 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def get_loss_scale(self):
         return self.loss_scaler.loss_scale
 
+    def wall_clock_breakdown(self):
+        return self._config.wall_clock_breakdown
+
+    def get_wall_clock_timers(self):
+        """``{timer name: ms}`` of the last accumulation window (empty unless ``wall_clock_breakdown``)."""
+        return dict(self._instruments.timers.window)
+
     # --------------------------------------------------------------- boundary
     def is_gradient_accumulation_boundary(self):
         return self.window.is_boundary()
@@ -322,7 +338,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if self._config.fp16_enabled and self._config.fp16_auto_cast:
             inputs = _cast_floats(inputs, torch.float16)
             kwargs = _cast_floats(kwargs, torch.float16)
-        outputs = self.module(*inputs, **kwargs)
+        with self._instruments.forward():
+            outputs = self.module(*inputs, **kwargs)
         if self._stage is not None:
             if torch.is_grad_enabled():
                 ownership.arm_outputs(self._stage.pipeline, outputs)
@@ -337,18 +354,21 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         registry.discard_stale_sessions()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"engine.backward expects a tensor loss, got {type(loss).__name__}")
-        if self._stage is None:
-            loss.backward(retain_graph=retain_graph)
-            return loss
-        seeded = ownership.seed(loss, self.loss_scaler.loss_scale, scale_wrt_gas, retain_graph, "engine.backward",
-                                self._stage.pipeline)
-        try:
-            seeded.backward(retain_graph=retain_graph)
-        except BaseException:
-            registry.discard_stale_sessions()
-            raise
+        with self._instruments.backward(loss):
+            if self._stage is None:
+                loss.backward(retain_graph=retain_graph)
+                return loss
+            seeded = ownership.seed(loss, self.loss_scaler.loss_scale, scale_wrt_gas, retain_graph, "engine.backward",
+                                    self._stage.pipeline)
+            try:
+                seeded.backward(retain_graph=retain_graph)
+            except BaseException:
+                registry.discard_stale_sessions()
+                raise
         loss = loss.detach()
-        return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        loss = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        self._instruments.record_loss(loss)
+        return loss
 
     def scale(self, loss):
         """``loss`` times the fp16 loss scale, seeded so that a direct ``.backward()`` on it is exact."""
@@ -361,14 +381,16 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         """End a micro-step; at the accumulation boundary apply the optimizer (see the module docstring)."""
         registry.discard_stale_sessions()
         with self.window.stepping():
-            if self.is_gradient_accumulation_boundary():
-                if self._stage is not None and self._stage.window_is_empty():
-                    self._skip_empty_step()
-                    return
-                self._take_model_step(lr_kwargs)
-            else:
-                self._step_applied = False
-            self.window.micro_steps += 1
+            boundary = self.is_gradient_accumulation_boundary()
+            if boundary and self._stage is not None and self._stage.window_is_empty():
+                self._skip_empty_step()
+                return
+            with self._instruments.step(boundary):
+                if boundary:
+                    self._take_model_step(lr_kwargs)
+                else:
+                    self._step_applied = False
+                self.window.micro_steps += 1
 
     def _skip_empty_step(self):
         """A boundary step with no backward in its window: as in plain torch, nothing moves (no counter either)."""
@@ -396,9 +418,6 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             log_dist(f"fp16 overflow: step skipped, loss scale now {self.loss_scaler.loss_scale}", ranks=[0])
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        spp = self.steps_per_print()
-        if spp and self.global_rank == 0 and self.global_steps % spp == 0:
-            logger.info(f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}")
 
     def zero_grad(self, set_to_none=True):
         """Discard the gradients of the current accumulation window (and any failed backward's state)."""
@@ -418,6 +437,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def destroy(self):
         """Remove every hook and mark this engine put on the model and free its buffers."""
         registry.discard_stale_sessions()
+        self._instruments.close()
         if self._ownership is not None:
             self._ownership.release()
             self._ownership = None

@@ -275,3 +275,10 @@ class ThroughputTimer:
         if timed_steps > 0 and self.total_elapsed_time > 0:
             return self.batch_size / (self.total_elapsed_time / timed_steps)
         return float("-inf")
+
+
+# Timers a ZeRO stage may run on the registry the engine hands it (``stage.set_timers(timers)``): the time of the
+# gradient reduction it does in backward or at the boundary, and of the phases of its optimizer step.
+OPTIMIZER_ALLGATHER_TIMER = "optimizer_allgather"
+OPTIMIZER_GRADIENTS_TIMER = "optimizer_gradients"
+OPTIMIZER_STEP_TIMER = "optimizer_step"

@@ -148,4 +148,3 @@ def reset():
     """Use the torch implementations again (for tests)."""
     _impl.update(_TORCH)
     globals().update(_TORCH)
-
