@@ -18,6 +18,7 @@ The boundary step, in order, the same on every rank:
 import torch
 
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.utils.timer import OPTIMIZER_GRADIENTS_TIMER
 
 
 class EngineOptimizer(ZeROOptimizer):
@@ -96,11 +97,12 @@ class EngineOptimizer(ZeROOptimizer):
             self._global_grad_norm = torch.tensor(float("inf"))
             self.loss_scaler.update_scale(True)
             return False
-        norm = stage.global_grad_norm()
-        self._global_grad_norm = norm
-        if self.gradient_clipping > 0:
-            coef = torch.clamp(self.gradient_clipping / (norm + 1e-6), max=1.0)
-            stage.scale_grads(coef)
+        with stage.timed(OPTIMIZER_GRADIENTS_TIMER):
+            norm = stage.global_grad_norm()
+            self._global_grad_norm = norm
+            if self.gradient_clipping > 0:
+                coef = torch.clamp(self.gradient_clipping / (norm + 1e-6), max=1.0)
+                stage.scale_grads(coef)
         stage.optimizer_step()
         self.loss_scaler.update_scale(False)
         return True

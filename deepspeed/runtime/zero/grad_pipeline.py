@@ -49,6 +49,7 @@ import torch
 
 from deepspeed.runtime.zero import transport as transport_mod
 from deepspeed.runtime.zero.profiling import ds_range
+from deepspeed.utils.timer import BACKWARD_REDUCE_GLOBAL_TIMER
 
 # Pending (not yet copied-in) gradient elements per bucket before a partial copy-in.
 FLUSH_NUMEL = 1 << 22
@@ -153,6 +154,7 @@ class GradPipeline:
         self._late_dirty = False
         self._unreduced = False  # a backward ended without a pass since the last pass
         self.backward_count = 0  # backward calls that reached this pipeline in this window
+        self.timers = None  # a timer registry (wall_clock_breakdown): "bwd_allreduce" times the waits on reductions
 
     # ------------------------------------------------------- session interface
     @property
@@ -217,8 +219,13 @@ class GradPipeline:
                         self._flush(bucket)
                 run = self._pass
                 if run is not None:
+                    timer = self.timers(BACKWARD_REDUCE_GLOBAL_TIMER) if self.timers is not None else None
+                    if timer is not None:
+                        timer.start()
                     self._launch_until(run, len(self.buckets))
                     self._drain()
+                    if timer is not None:
+                        timer.stop()
                     self._pass = None
                     self._unreduced = False
                     if session.nested or self._late_dirty:

@@ -21,6 +21,7 @@ from deepspeed.runtime.precision.master_params import MasterParams
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import ReplicatedGeometry
 from deepspeed.runtime.zero.stage_base import ZeroStage, fp32_grads, trainable_groups
+from deepspeed.utils.timer import OPTIMIZER_STEP_TIMER
 
 
 class Stage0(ZeroStage):
@@ -59,7 +60,7 @@ class Stage0(ZeroStage):
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self):
-        with ds_range("DS::step"):
+        with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
             if self.masters is not None:
                 if self.config.accum_dtype != torch.float32:
                     self._attach_fp32_grads(lambda p: self.masters.master_of(p))

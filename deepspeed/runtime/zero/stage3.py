@@ -35,6 +35,7 @@ from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import UnitGeometry
 from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
 from deepspeed.runtime.zero.stage_1_and_2 import MAX_IN_FLIGHT
+from deepspeed.utils.timer import OPTIMIZER_STEP_TIMER
 
 
 class Stage3(ZeroStage):
@@ -142,7 +143,7 @@ class Stage3(ZeroStage):
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self):
-        with ds_range("DS::step"):
+        with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
             attached = self.config.accum_dtype != torch.float32
             if attached:
                 for master, part in zip(self.masters, self.grad_parts):

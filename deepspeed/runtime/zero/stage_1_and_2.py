@@ -30,6 +30,7 @@ from deepspeed.runtime.zero.partitioned_step import master_partition, point_opti
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import PartitionGeometry
 from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
+from deepspeed.utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER
 
 # Reductions in flight at once during a pass beside the one just launched (with overlap_comm); older
 # ones are completed (folded into the partition, their output freed) as new ones launch, so memory
@@ -88,13 +89,14 @@ class PartitionedStage(ZeroStage):
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self):
-        with ds_range("DS::step"):
+        with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
             attached = self._attach_step_grads()
             self.optimizer.step()
             if attached:
                 for master in self.masters:
                     master.grad = None
-        self.all_gather_params()
+        with self.timed(OPTIMIZER_ALLGATHER_TIMER):
+            self.all_gather_params()
 
     def _attach_step_grads(self):
         """With a lower-precision window, give the masters fp32 gradients for this step; whether it did."""

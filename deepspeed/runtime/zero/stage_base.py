@@ -21,12 +21,29 @@ replicated); a step *overflows* when that norm is not finite. Every rank reaches
 verdict.
 """
 
+import contextlib
+
 import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.grad_pipeline import GradPipeline
 from deepspeed.runtime.zero.profiling import ds_range
+
+
+class _Timed:
+
+    __slots__ = ("timer", )
+
+    def __init__(self, timer):
+        self.timer = timer
+
+    def __enter__(self):
+        self.timer.start()
+
+    def __exit__(self, *exc):
+        self.timer.stop()
+        return False
 
 
 def fp32_grads(parts):
@@ -83,7 +100,13 @@ class ZeroStage:
         return self.pipeline.params
 
     def set_timers(self, timers):
+        """Time this stage's phases on ``timers`` (a ``SynchronizedWallClockTimer`` registry, or its no-op)."""
         self.timers = timers
+        self.pipeline.timers = timers
+
+    def timed(self, name):
+        """A context timing ``name`` on the stage's timers (a no-op context without them)."""
+        return _Timed(self.timers(name)) if self.timers is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------ the window
     def after_forward(self):

@@ -58,6 +58,8 @@ def test_wall_clock_breakdown(tmp_path):
     assert len(windows) == 4
     for window in windows:
         assert {"fwd", "bwd", "bwd_inner", "step"} <= set(window), window
+        # the stage times its own phases: the reduction waited for in backward and the step's parts
+        assert {"bwd_allreduce", "optimizer_gradients", "optimizer_step", "optimizer_allgather"} <= set(window), window
         assert all(ms > 0 for name, ms in window.items() if name != "bwd_allreduce"), window
         assert window["bwd_inner"] == pytest.approx(window["bwd"] - window.get("bwd_allreduce", 0.0))
     micro = [m for m in messages if m.startswith("time (ms) | fwd_microstep")]
