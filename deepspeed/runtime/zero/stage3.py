@@ -196,6 +196,11 @@ class Stage3(ZeroStage):
             return None
         return self._gather(self._shard_of(self.grad_parts[g], param), param)
 
+    def local_range(self, param):
+        shard = self.layout.slots[param].shard
+        start = min(self.rank * shard, param.ds_numel)
+        return start, max(0, min(param.ds_numel - start, shard))
+
     def local_grad(self, param):
         return self._shard_of(self.grad_parts[self._group(param)], param)
 

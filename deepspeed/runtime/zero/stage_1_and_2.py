@@ -154,6 +154,10 @@ class PartitionedStage(ZeroStage):
     def _group(self, param):
         return self.layout.slots[param].group
 
+    def local_range(self, param):
+        owned = self.layout.owned_ranges(param)
+        return (0, 0) if owned is None else (owned[0], owned[1])
+
     def full_grad(self, param):
         return self._gather(self.grad_parts[self._group(param)], param)
 

@@ -164,10 +164,18 @@ class ZeroStage:
     def params_modified(self, param):
         """``param``'s stored value was rewritten outside the engine (ZeRO-3 ``GatheredParameters``)."""
 
+    def local_range(self, param):
+        """``(start, length)``: this rank holds elements ``[start, start + length)`` of ``param``'s flat view; they
+        are the first ``length`` elements of ``local_grad(param).reshape(-1)`` and of ``local_fp32_param(param)``
+        (stage 0: the whole parameter; stage 3: the shard, padded past ``length``)."""
+        return 0, self.pipeline.slot(param).numel
+
     def local_grad(self, param):
+        """This rank's piece of the window gradient of ``param`` (stage 0: the whole gradient, shaped)."""
         return self.full_grad(param)
 
     def local_fp32_param(self, param):
+        """This rank's piece of the fp32 value of ``param`` (stage 0: the whole value, shaped)."""
         return self.fp32_param(param)
 
 

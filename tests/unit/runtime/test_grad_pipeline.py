@@ -130,3 +130,44 @@ def empty_step(stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_step_without_backward_changes_nothing(stage):
     assert run_distributed(empty_step, 2, args=(stage, ), timeout=60) == [True, True]
+
+
+def local_pieces(stage):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+    from tests.unit.contract.models import ToyNet, lm_loss, make_batch
+    torch.manual_seed(0)
+    engine = deepspeed.initialize(model=ToyNet(), config=_config(stage))[0]
+    try:
+        tokens, targets = make_batch(0, 0)
+        engine.backward(lm_loss(engine(tokens, use_aux=True), targets))
+        stage_obj = engine._stage
+        covered = {}
+        for param in stage_obj.params:
+            start, length = stage_obj.local_range(param)
+            full = safe_get_full_grad(param).reshape(-1)
+            torch.testing.assert_close(stage_obj.local_grad(param).reshape(-1)[:length], full[start:start + length])
+            value = safe_get_full_fp32_param(param).reshape(-1)
+            torch.testing.assert_close(
+                stage_obj.local_fp32_param(param).reshape(-1)[:length], value[start:start + length])
+            covered[tuple(param.shape) if stage != 3 else tuple(param.ds_shape)] = (start, length, full.numel())
+    finally:
+        engine.destroy()
+    return covered
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_local_range_matches_the_full_gradient(stage):
+    """``local_range`` names the piece of each parameter a rank holds; over the ranks the pieces tile it."""
+    per_rank = run_distributed(local_pieces, 3, args=(stage, ), timeout=60)
+    for key in per_rank[0]:
+        pieces = sorted((r[key][0], r[key][1]) for r in per_rank if r[key][1] > 0)
+        numel = per_rank[0][key][2]
+        if stage == 0:
+            assert all(p == (0, numel) for p in pieces)
+        else:
+            at = 0
+            for start, length in pieces:
+                assert start == at, (key, pieces)
+                at += length
+            assert at == numel, (key, pieces)
