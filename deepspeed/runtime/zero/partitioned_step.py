@@ -26,3 +26,27 @@ def point_optimizer_at(inner, masters, nonempty):
     if choose is not None:  # the fused/foreach choice depends on the parameters' device
         for param_group in inner.param_groups:
             choose(param_group)
+
+
+class PartitionedOptimizerState:
+    """``optimizer_state``/``set_optimizer_state`` for stages whose masters are one flat partition per group.
+
+    The stage provides ``masters``, ``optimizer``, ``_group(param)``, ``_gather_from(buffer, param)`` (a
+    collective: ``param``'s full fp32 value from every rank's group-partition-shaped ``buffer``) and
+    ``_write(buffer, param, value)`` (this rank's piece of the full ``value`` into ``buffer``).
+    """
+
+    def optimizer_state(self, param, key):
+        master = self.masters[self._group(param)]
+        value = self.optimizer.state.get(master, {}).get(key)
+        if isinstance(value, torch.Tensor) and value.numel() == master.numel():
+            return self._gather_from(value, param)
+        return value
+
+    def set_optimizer_state(self, param, key, value):
+        master = self.masters[self._group(param)]
+        state = self.optimizer.state.get(master, {}).get(key)
+        if not isinstance(state, torch.Tensor) or state.numel() != master.numel():
+            raise KeyError(f"optimizer state '{key}' does not exist for this parameter yet")
+        with torch.no_grad():
+            self._write(state, param, value.to(state.dtype))

@@ -37,12 +37,7 @@ class Stage0(ZeroStage):
         low_precision = any(p.dtype != torch.float32 for p in params)
         fp32_window = config.accum_dtype == torch.float32
         self.publishes_grads = not low_precision and fp32_window
-        geometry = ReplicatedGeometry(params,
-                                      bucket_numel=config.bucket_numel,
-                                      device=device,
-                                      group=group,
-                                      comm_dtype=config.comm_dtype,
-                                      accum_dtype=config.accum_dtype)
+        geometry = ReplicatedGeometry(params, bucket_numel=config.bucket_numel, **self._geometry_args())
         # Stage 0 reduces in place: a reduction in flight holds no memory of its own, so none is bounded.
         self._build_pipeline(geometry,
                              reduce_in_every_backward=False,

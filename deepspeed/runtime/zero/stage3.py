@@ -30,15 +30,14 @@ from deepspeed.runtime.zero.parameter_units import UnitCoordinator, build_units
 from deepspeed.runtime.zero.partition_layout import UnitPartitionLayout
 from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zero_param, partition_param,
                                                          write_shard_from_full)
-from deepspeed.runtime.zero.partitioned_step import master_partition, point_optimizer_at
+from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import UnitGeometry
 from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
-from deepspeed.runtime.zero.stage_1_and_2 import MAX_IN_FLIGHT
 from deepspeed.utils.timer import OPTIMIZER_STEP_TIMER
 
 
-class Stage3(ZeroStage):
+class Stage3(PartitionedOptimizerState, ZeroStage):
     """Stage 3 (see the module docstring)."""
 
     stage = 3
@@ -83,15 +82,10 @@ class Stage3(ZeroStage):
         geometry = UnitGeometry(units,
                                 layout,
                                 use_reduce_scatter=config.use_reduce_scatter,
-                                device=device,
-                                group=group,
-                                comm_dtype=config.comm_dtype,
-                                accum_dtype=config.accum_dtype,
-                                part_device=self.part_device,
-                                pin_memory=config.pin_memory)
+                                **self._geometry_args(self.part_device))
         self._build_pipeline(geometry,
                              reduce_in_every_backward=True,
-                             in_flight_limit=MAX_IN_FLIGHT if config.overlap_comm else 0,
+                             in_flight_limit=self._in_flight_limit(),
                              on_bucket_complete=self._unit_complete,
                              on_backward_end=self._backward_end)
         self.masters = []
@@ -190,6 +184,9 @@ class Stage3(ZeroStage):
     def _group(self, param):
         return self.layout.slots[param].group
 
+    def _gather_from(self, buffer, param):
+        return self._gather(self._shard_of(buffer, param), param)
+
     def full_grad(self, param):
         g = self._group(param)
         if g >= len(self.grad_parts):
@@ -241,21 +238,6 @@ class Stage3(ZeroStage):
         if g < len(self.masters):
             with torch.no_grad():
                 self._shard_of(self.masters[g].data, param).copy_(param.ds_tensor)
-
-    def optimizer_state(self, param, key):
-        master = self.masters[self._group(param)]
-        value = self.optimizer.state.get(master, {}).get(key)
-        if isinstance(value, torch.Tensor) and value.numel() == master.numel():
-            return self._gather(self._shard_of(value, param), param)
-        return value
-
-    def set_optimizer_state(self, param, key, value):
-        master = self.masters[self._group(param)]
-        state = self.optimizer.state.get(master, {}).get(key)
-        if not isinstance(state, torch.Tensor) or state.numel() != master.numel():
-            raise KeyError(f"optimizer state '{key}' does not exist for this parameter yet")
-        with torch.no_grad():
-            self._write(state, param, value.to(state.dtype))
 
     @torch.no_grad()
     def consolidated_state_dict(self, exclude_frozen_parameters=False):

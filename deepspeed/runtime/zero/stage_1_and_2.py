@@ -26,19 +26,14 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
-from deepspeed.runtime.zero.partitioned_step import master_partition, point_optimizer_at
+from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import PartitionGeometry
 from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
 from deepspeed.utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER
 
-# Reductions in flight at once during a pass beside the one just launched (with overlap_comm); older
-# ones are completed (folded into the partition, their output freed) as new ones launch, so memory
-# stays bounded. Completing one only makes the compute stream wait for it on the device.
-MAX_IN_FLIGHT = 1
 
-
-class PartitionedStage(ZeroStage):
+class PartitionedStage(PartitionedOptimizerState, ZeroStage):
     """Stages 1 and 2 (see the module docstring)."""
 
     def __init__(self, module, optimizer, config, clock, *, device, group):
@@ -65,15 +60,10 @@ class PartitionedStage(ZeroStage):
         geometry = PartitionGeometry(layout,
                                      persistent_staging=config.stage == 1,
                                      use_reduce_scatter=config.use_reduce_scatter,
-                                     device=device,
-                                     group=group,
-                                     comm_dtype=config.comm_dtype,
-                                     accum_dtype=config.accum_dtype,
-                                     part_device=self.part_device,
-                                     pin_memory=config.pin_memory)
+                                     **self._geometry_args(self.part_device))
         self._build_pipeline(geometry,
                              reduce_in_every_backward=config.stage == 2,
-                             in_flight_limit=MAX_IN_FLIGHT if config.overlap_comm else 0)
+                             in_flight_limit=self._in_flight_limit())
         self.masters = []
         for g, numel in enumerate(layout.group_part_numel):
             master = torch.zeros(numel, dtype=torch.float32, device=self.part_device)
@@ -154,6 +144,8 @@ class PartitionedStage(ZeroStage):
     def _group(self, param):
         return self.layout.slots[param].group
 
+    _gather_from = _gather
+
     def local_range(self, param):
         owned = self.layout.owned_ranges(param)
         return (0, 0) if owned is None else (owned[0], owned[1])
@@ -177,18 +169,3 @@ class PartitionedStage(ZeroStage):
         with torch.no_grad():
             self._write(self.masters[self._group(param)].data, param, value)
             param.copy_(value)
-
-    def optimizer_state(self, param, key):
-        master = self.masters[self._group(param)]
-        value = self.optimizer.state.get(master, {}).get(key)
-        if isinstance(value, torch.Tensor) and value.numel() == master.numel():
-            return self._gather(value, param)
-        return value
-
-    def set_optimizer_state(self, param, key, value):
-        master = self.masters[self._group(param)]
-        state = self.optimizer.state.get(master, {}).get(key)
-        if not isinstance(state, torch.Tensor) or state.numel() != master.numel():
-            raise KeyError(f"optimizer state '{key}' does not exist for this parameter yet")
-        with torch.no_grad():
-            self._write(state, param, value.to(state.dtype))

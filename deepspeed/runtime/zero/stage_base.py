@@ -46,6 +46,12 @@ class _Timed:
         return False
 
 
+# Reductions in flight at once during a pass beside the one just launched (stages 1-3 with overlap_comm);
+# older ones are completed (folded into the partition, their output freed) as new ones launch, so memory
+# stays bounded. Completing one only makes the compute stream wait for it on the device.
+MAX_IN_FLIGHT = 1
+
+
 def fp32_grads(parts):
     """The window gradient as float32 tensors: the partitions themselves, or float32 copies of them."""
     return [p if p.dtype == torch.float32 else p.to(torch.float32) for p in parts]
@@ -93,6 +99,19 @@ class ZeroStage:
                                      publishes_grads=self.publishes_grads,
                                      **callbacks)
         return self.pipeline
+
+    def _geometry_args(self, part_device=None):
+        """The keyword arguments every geometry takes, from the stage config."""
+        cfg = self.config
+        return dict(device=self.device,
+                    group=self.group,
+                    comm_dtype=cfg.comm_dtype,
+                    accum_dtype=cfg.accum_dtype,
+                    part_device=part_device,
+                    pin_memory=cfg.pin_memory)
+
+    def _in_flight_limit(self):
+        return MAX_IN_FLIGHT if self.config.overlap_comm else 0
 
     @property
     def params(self):
