@@ -71,6 +71,7 @@ class DeepSpeedSystem:
                 "stage3_prefetch_bucket_size": hp.get("unit_size", int(4e7)),
             },
         }
+        _merge(config, hp.get("ds_extra") or {})
         self.engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
 
     def step(self, micro_batches):
@@ -85,6 +86,15 @@ class DeepSpeedSystem:
     def close(self):
         self.engine.destroy()
         self.engine = None
+
+
+def _merge(base, extra):
+    """Merge the dict ``extra`` into ``base`` in place, nested dicts key by key."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
 
 
 def _fully_shard_api():

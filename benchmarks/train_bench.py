@@ -58,6 +58,11 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--bucket-size", type=float, default=5e7, help="ds_zero*: reduce_bucket_size (elements)")
+    parser.add_argument("--ds-extra",
+                        type=json.loads,
+                        default={},
+                        help="ds_zero*: a JSON object merged into the DeepSpeed config (nested keys merge), "
+                        "e.g. '{\"data_types\": {\"grad_accum_dtype\": \"bf16\"}}'")
     parser.add_argument("--unit-size",
                         type=float,
                         default=4e7,
@@ -148,7 +153,8 @@ def bench_system(name, args, cfg, data, device):
               betas=(0.9, 0.95),
               clip=args.clip,
               bucket_size=int(args.bucket_size),
-              unit_size=int(args.unit_size))
+              unit_size=int(args.unit_size),
+              ds_extra=args.ds_extra)
     torch.manual_seed(SEED)
     with torch.device(device):
         model = GPT(cfg)

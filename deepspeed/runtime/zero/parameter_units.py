@@ -86,7 +86,8 @@ class UnitCoordinator:
 
     ``pipeline`` is the engine's gradient pipeline: a backward that reaches one of these
     modules joins it (so its epilogue releases what that backward gathered).
-    ``send_chunk(unit)`` returns this rank's row of ``unit`` in the model dtype, on the device.
+    ``send_chunk(unit, out)`` writes this rank's row of ``unit`` in the model dtype into ``out`` (a device
+    tensor of ``unit.chunk`` elements) and returns it; with ``out`` None it allocates the row.
     """
 
     def __init__(self, module, units, send_chunk_fn, pipeline, group, device, transport=None):
@@ -103,6 +104,7 @@ class UnitCoordinator:
         self._tracing = True
         self._position = {}
         self._unsessioned_task = None  # a graph task with no session whose end releases its holds
+        self._empties = {}
         self._install_hooks()
 
     # ----------------------------------------------------------------- hooks
@@ -234,50 +236,77 @@ class UnitCoordinator:
             self._release(unit)
 
     def _release(self, unit):
+        empty = self._empty(unit)
         for param in unit.params:
-            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            param.data = empty
             param.ds_status = ZeroParamStatus.NOT_AVAILABLE
-        if unit._full is not None:
-            # Free the memory in place: autograd may hold views of these parameters (a linear
-            # saves weight.t()); they keep the storage object, not its memory, and see the
-            # values again once the next gather refills the same storage.
-            unit._full.untyped_storage().resize_(0)
+        # Free the memory in place: autograd may hold views of these parameters (a linear
+        # saves weight.t()); they keep the storage object, not its memory, and see the
+        # values again once the next gather refills the same storage.
+        unit._full.untyped_storage().resize_(0)
         unit.state = UnitState.SHARDED
 
+    def _empty(self, unit):
+        """One shared zero-element tensor per dtype: what a released parameter's ``.data`` is."""
+        dtype = unit.params[0].dtype if unit.params else torch.float32
+        empty = self._empties.get(dtype)
+        if empty is None:
+            empty = self._empties[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+        return empty
+
     # ---------------------------------------------------------------- gather
+    def _storage(self, unit, dtype):
+        """The unit's gathered storage, allocated once and refilled in place: ``(full, views)``.
+
+        ``full`` holds every parameter padded to ``W * shard``, one after another; ``views`` are
+        ``(padded, shaped)`` per parameter.
+        """
+        full = unit._full
+        if full is None:
+            total = sum(self.world_size * s for s in unit.shards)
+            full = unit._full = torch.empty(total, dtype=dtype, device=self.device)
+            unit._views = []
+            at = 0
+            for param, s in zip(unit.params, unit.shards):
+                padded = full.narrow(0, at, self.world_size * s)
+                unit._views.append((padded.view(self.world_size, s), padded[:param.ds_numel].view(param.ds_shape)))
+                at += self.world_size * s
+        elif full.untyped_storage().size() == 0:
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+        return full, unit._views
+
     def _launch_gather(self, unit):
-        send = self._send_chunk(unit)
         if self.world_size == 1:
-            unit._gather = (None, send)
+            # On a world of one the unit's row is the whole unit, laid out as the gathered storage:
+            # this rank's shards are cast straight into it, no collective and no copy-out.
+            full, _ = self._storage(unit, self._model_dtype(unit))
+            self._send_chunk(unit, full)
+            unit._gather = (None, None)
         else:
+            send = self._send_chunk(unit, None)
             buffer = torch.empty(self.world_size * unit.chunk, dtype=send.dtype, device=self.device)
             unit._gather = (self.transport.all_gather(buffer, send, self.group), buffer)
         unit.state = UnitState.GATHERING
         for param in unit.params:
             param.ds_status = ZeroParamStatus.INFLIGHT
 
+    @staticmethod
+    def _model_dtype(unit):
+        return unit.params[0].dtype if unit.params else torch.float32
+
     def _finish_gather(self, unit):
         work, buffer = unit._gather
         unit._gather = None
         wait(work)
-        rows = buffer.view(self.world_size, unit.chunk)
-        full = unit._full
-        if full is None:
-            total = sum(self.world_size * s for s in unit.shards)
-            full = unit._full = torch.empty(total, dtype=buffer.dtype, device=self.device)
-            unit._views = []
-            at = 0
-            for param, s in zip(unit.params, unit.shards):
-                padded = full.narrow(0, at, self.world_size * s)
-                unit._views.append((padded, padded[:param.ds_numel].view(param.ds_shape)))
-                at += self.world_size * s
-        else:
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-        with torch.no_grad():
-            for param, column, s, (padded, view) in zip(unit.params, unit.columns, unit.shards, unit._views):
-                padded.view(self.world_size, s).copy_(rows[:, column:column + s])
-                param.data = view
-                param.ds_status = ZeroParamStatus.AVAILABLE
+        full, views = self._storage(unit, self._model_dtype(unit) if buffer is None else buffer.dtype)
+        if buffer is not None:  # rank-major rows -> every parameter's padded block, in one copy
+            torch.split_with_sizes_copy(buffer.view(self.world_size, unit.chunk),
+                                        unit.shards,
+                                        dim=1,
+                                        out=[padded for padded, _ in views])
+        for param, (_, shaped) in zip(unit.params, views):
+            param.data = shaped
+            param.ds_status = ZeroParamStatus.AVAILABLE
         unit.state = UnitState.GATHERED
 
     def gather(self, unit):

@@ -111,18 +111,21 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         return self.geometry.grad_parts
 
     # ------------------------------------------------------------ gathering
-    def _send_chunk(self, unit):
-        """This rank's row of ``unit`` in the model dtype on the device (the fp32 masters cast in one pass)."""
+    def _send_chunk(self, unit, out):
+        """This rank's row of ``unit`` in the model dtype on the device, written into ``out`` when given (the
+        fp32 masters cast in one pass)."""
         pieces = [
             self.sources[g].narrow(0, part_offset, length)
             for g, part_offset, _, length in self.layout.segments[unit.index]
         ]
+        if out is None:
+            out = torch.empty(unit.chunk, dtype=self.model_dtype, device=self.device)
         if all(p.device == self.device for p in pieces):
-            row = torch.empty(unit.chunk, dtype=self.model_dtype, device=self.device)
-            grad_ops.pack_cast(pieces, row)
-            return row
-        chunk = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return chunk.to(self.device, self.model_dtype, non_blocking=True)
+            grad_ops.pack_cast(pieces, out)
+        else:
+            chunk = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            out.copy_(chunk, non_blocking=True)
+        return out
 
     def _gather_persistent(self):
         for unit in self.units:

@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where one optimizer step's time goes: a torch.profiler trace of one step per system, and its summary.
+
+    python benchmarks/profile_step.py --systems ds_zero2,ds_zero3,ddp --d-model 512 --layers 48 --heads 8 \
+        --vocab 8192 --seq 512 --micro-batch 8 --gas 2 --out-dir prof
+
+For each system: ``--warmup`` steps, then one profiled step. Printed per system: the step's wall time, the CPU
+time the host spent (the profiler's total of top-level CPU events), the device's busy time (sum of kernel times),
+the ``DS::<phase>`` ranges of this package (count, total CPU ms) and the top operators by self CPU time. With
+``--out-dir`` the Chrome trace of each step is written there (``<system>.json``).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from benchmarks.gpt import GPT, GPTConfig  # noqa: E402
+from benchmarks.systems import make_system  # noqa: E402
+from benchmarks.train_bench import SEED, init_distributed, make_data  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--systems", default="ds_zero2,ds_zero3,ddp")
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--gas", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=0, help="unused (the data generator's timed steps)")
+    ap.add_argument("--bucket-size", type=float, default=5e7)
+    ap.add_argument("--unit-size", type=float, default=4e7)
+    ap.add_argument("--ds-extra", type=json.loads, default={}, help="a JSON object merged into the DeepSpeed config")
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--pg-timeout-min", type=float, default=10.0)
+    args = ap.parse_args(argv)
+    args.steps = 1
+    return args
+
+
+def summarize(prof, wall_s, name, top):
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    ranges = sorted((e for e in events if e.key.startswith("DS::")), key=lambda e: -e.cpu_time_total)
+    lines = [f"## {name}: step {wall_s * 1e3:.1f} ms wall, device busy {device_us / 1e3:.1f} ms"]
+    lines.append("| DS range | calls | CPU total (ms) | device (ms) |")
+    lines.append("| --- | ---: | ---: | ---: |")
+    for e in ranges:
+        lines.append(f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.2f} | {e.device_time_total / 1e3:.2f} |")
+    lines.append("")
+    lines.append("| op (top by self CPU) | calls | self CPU (ms) | CPU total (ms) |")
+    lines.append("| --- | ---: | ---: | ---: |")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+        lines.append(f"| {e.key[:60]} | {e.count} | {e.self_cpu_time_total / 1e3:.2f} | "
+                     f"{e.cpu_time_total / 1e3:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = init_distributed(args)
+    import deepspeed
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        print(f"deepspeed {deepspeed.__version__} from {deepspeed.__file__}", flush=True)
+    cfg = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, vocab=args.vocab, seq=args.seq)
+    data = make_data(args, rank, device)
+    hp = dict(micro_batch=args.micro_batch,
+              gas=args.gas,
+              lr=1e-4,
+              weight_decay=0.1,
+              betas=(0.9, 0.95),
+              clip=1.0,
+              bucket_size=int(args.bucket_size),
+              unit_size=int(args.unit_size),
+              ds_extra=args.ds_extra)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name in args.systems.split(","):
+        torch.manual_seed(SEED)
+        with torch.device(device):
+            model = GPT(cfg)
+        system = make_system(name, model, hp, device)
+        del model
+        for micro_batches in data[:args.warmup]:
+            system.step(micro_batches)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            system.step(data[args.warmup])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        system.close()
+        if rank == 0:
+            print(summarize(prof, wall, name, args.top), flush=True)
+            if args.out_dir:
+                os.makedirs(args.out_dir, exist_ok=True)
+                prof.export_chrome_trace(os.path.join(args.out_dir, f"{name}.json"))
+        del system, prof
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
