@@ -3,10 +3,12 @@
 // The gradient pipeline's element-wise passes as multi-segment kernels (see grad_ops.h for the batch layout).
 //
 // A launch covers up to kMaxSegments segments; block b finds its segment by a binary search over block_end and
-// handles kBlockElems consecutive elements of it. A thread moves kUnroll groups of kVec elements: 16-byte
-// vector loads and stores when both arrays of the segment are 16-byte aligned and the group is whole, element
-// by element otherwise (segment ends, views at odd offsets). All arithmetic is float32; results are rounded once
-// to the destination type, round to nearest even, as torch's casts do.
+// handles kBlockElems consecutive elements of it. When both arrays of the segment are 16-byte aligned, a thread
+// moves kUnroll groups of kVec consecutive elements with 16-byte vector loads and stores (element by element for
+// a group cut by the segment's end). Otherwise (a view at an odd offset, as in a flat bucket) the block moves its
+// elements one per thread and step, so consecutive threads touch consecutive elements and every warp access is
+// coalesced; all of a thread's loads are issued before the first store in both layouts. All arithmetic is
+// float32; results are rounded once to the destination type, round to nearest even, as torch's casts do.
 
 #include "grad_ops.h"
 
@@ -108,6 +110,30 @@ __device__ __forceinline__ bool aligned16(const void* a, const void* b)
     return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
 }
 
+// The misaligned layout of axpy_kernel: element start + j * kThreads + threadIdx.x for every j.
+template <typename D, typename S, bool kAccumulate>
+__device__ __forceinline__ void axpy_strided(D* dst, const S* src, int64_t dst_len, int64_t src_len, int64_t start,
+                                             float f)
+{
+    constexpr int kSteps = kVec * kUnroll;
+    float in[kSteps];
+    float out[kSteps];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+        const int64_t i = start + j * kThreads + threadIdx.x;
+        in[j] = i < src_len ? Io<S>::load(src, i) : 0.0f;
+        if (kAccumulate) out[j] = i < src_len ? Io<D>::load(dst, i) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+        const int64_t i = start + j * kThreads + threadIdx.x;
+        if (i < src_len)
+            Io<D>::store(dst, i, kAccumulate ? out[j] + f * in[j] : f * in[j]);
+        else if (!kAccumulate && i < dst_len)
+            Io<D>::store(dst, i, 0.0f);  // padding
+    }
+}
+
 // dst = (kAccumulate ? dst : 0) + factor * src over one block's share of one segment.
 template <typename D, typename S, bool kAccumulate>
 __global__ void __launch_bounds__(kThreads) axpy_kernel(const SegmentBatch batch, float factor, const float* factor_ptr)
@@ -120,7 +146,10 @@ __global__ void __launch_bounds__(kThreads) axpy_kernel(const SegmentBatch batch
     const int32_t first_block = s == 0 ? 0 : batch.block_end[s - 1];
     const int64_t start = static_cast<int64_t>(blockIdx.x - first_block) * kBlockElems;
     const float f = factor_ptr != nullptr ? *factor_ptr : factor;
-    const bool aligned = aligned16(dst, src);
+    if (!aligned16(dst, src)) {
+        axpy_strided<D, S, kAccumulate>(dst, src, dst_len, src_len, start, f);
+        return;
+    }
 
     int64_t first[kUnroll];
     bool whole[kUnroll];
@@ -129,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) axpy_kernel(const SegmentBatch batch
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         first[u] = start + static_cast<int64_t>(u * kThreads + threadIdx.x) * kVec;
-        whole[u] = aligned && first[u] + kVec <= src_len;
+        whole[u] = first[u] + kVec <= src_len;
     }
     // All loads of the thread are issued before the first use, so they are in flight together.
 #pragma unroll
@@ -176,26 +205,41 @@ __device__ __forceinline__ float block_sum(float value)
     return value;
 }
 
-// partials[base + block] = the sum of squares of one block's share of one segment (after the in-place scale).
+// The misaligned layout of sumsq_kernel: element start + j * kThreads + threadIdx.x for every j.
 template <typename T, bool kScale>
-__global__ void __launch_bounds__(kThreads)
-    sumsq_kernel(const SegmentBatch batch, float factor, const float* factor_ptr, float* partials, int64_t base)
+__device__ __forceinline__ float sumsq_strided(T* data, int64_t len, int64_t start, float f)
 {
-    const int s = find_segment(batch, static_cast<int32_t>(blockIdx.x));
-    T* data = static_cast<T*>(batch.seg[s].dst);
-    const int64_t len = batch.seg[s].dst_len;
-    const int32_t first_block = s == 0 ? 0 : batch.block_end[s - 1];
-    const int64_t start = static_cast<int64_t>(blockIdx.x - first_block) * kBlockElems;
-    const float f = kScale ? (factor_ptr != nullptr ? *factor_ptr : factor) : 1.0f;
-    const bool aligned = aligned16(data, data);
+    constexpr int kSteps = kVec * kUnroll;
+    float v[kSteps];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+        const int64_t i = start + j * kThreads + threadIdx.x;
+        v[j] = i < len ? Io<T>::load(data, i) : 0.0f;
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+        const int64_t i = start + j * kThreads + threadIdx.x;
+        if (kScale && i < len) {
+            v[j] = Io<T>::round(f * v[j]);
+            Io<T>::store(data, i, v[j]);
+        }
+        sum += v[j] * v[j];
+    }
+    return sum;
+}
 
+// The aligned layout of sumsq_kernel: kUnroll groups of kVec consecutive elements per thread.
+template <typename T, bool kScale>
+__device__ __forceinline__ float sumsq_vector(T* data, int64_t len, int64_t start, float f)
+{
     int64_t first[kUnroll];
     bool whole[kUnroll];
     float v[kUnroll][kVec];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         first[u] = start + static_cast<int64_t>(u * kThreads + threadIdx.x) * kVec;
-        whole[u] = aligned && first[u] + kVec <= len;
+        whole[u] = first[u] + kVec <= len;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
@@ -224,6 +268,22 @@ __global__ void __launch_bounds__(kThreads)
             }
         }
     }
+    return sum;
+}
+
+// partials[base + block] = the sum of squares of one block's share of one segment (after the in-place scale).
+template <typename T, bool kScale>
+__global__ void __launch_bounds__(kThreads)
+    sumsq_kernel(const SegmentBatch batch, float factor, const float* factor_ptr, float* partials, int64_t base)
+{
+    const int s = find_segment(batch, static_cast<int32_t>(blockIdx.x));
+    T* data = static_cast<T*>(batch.seg[s].dst);
+    const int64_t len = batch.seg[s].dst_len;
+    const int32_t first_block = s == 0 ? 0 : batch.block_end[s - 1];
+    const int64_t start = static_cast<int64_t>(blockIdx.x - first_block) * kBlockElems;
+    const float f = kScale ? (factor_ptr != nullptr ? *factor_ptr : factor) : 1.0f;
+    float sum = aligned16(data, data) ? sumsq_vector<T, kScale>(data, len, start, f)
+                                      : sumsq_strided<T, kScale>(data, len, start, f);
     sum = block_sum(sum);
     if (threadIdx.x == 0) partials[base + blockIdx.x] = sum;
 }
