@@ -13,13 +13,15 @@
 //   p = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)   (bc1 = 1 - beta1^t, bc2 = 1 - beta2^t)
 // with every scalar computed in double by the caller and rounded to float once. The caller (Python) checks
 // dtypes, sizes and contiguity and passes raw addresses: this file needs no torch headers, so it compiles in
-// seconds and does not depend on torch's C++ ABI.
+// seconds and does not depend on torch's C++ ABI. A rejected argument is reported by returning its message
+// (empty on success), not by a C++ exception, as in csrc/grad_ops.
 
 #include <pybind11/pybind11.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -124,7 +126,7 @@ void dispatch_out(const AdamArgs& a, int out_kind)
 // Below this many elements a step runs on the calling thread: starting the team costs more than it saves.
 constexpr int64_t kSerialBelow = 1 << 15;
 
-void adam_step(uintptr_t param,
+std::string adam_step(uintptr_t param,
                uintptr_t grad,
                uintptr_t exp_avg,
                uintptr_t exp_avg_sq,
@@ -141,12 +143,12 @@ void adam_step(uintptr_t param,
                int out_kind,
                int threads)
 {
-    if (numel < 0) throw std::invalid_argument("cpu_adam: numel must be >= 0");
-    if (out_kind < kNoCopy || out_kind > kFloat16) throw std::invalid_argument("cpu_adam: unknown output kind");
-    if (out_kind == kFloat16 && !kHasFloat16)
-        throw std::invalid_argument("cpu_adam: this build has no float16 conversion");
-    if (out_kind != kNoCopy && out == 0) throw std::invalid_argument("cpu_adam: an output kind without a buffer");
-    if (numel == 0) return;
+    if (numel < 0) return "cpu_adam: numel must be >= 0";
+    if (out_kind < kNoCopy || out_kind > kFloat16) return "cpu_adam: unknown output kind";
+    if (out_kind == kFloat16 && !kHasFloat16) return "cpu_adam: this build has no float16 conversion";
+    if (out_kind != kNoCopy && out == 0) return "cpu_adam: an output kind without a buffer";
+    if (param == 0 || grad == 0 || exp_avg == 0 || exp_avg_sq == 0) return numel == 0 ? "" : "cpu_adam: a null buffer";
+    if (numel == 0) return "";
     AdamArgs a;
     a.param = reinterpret_cast<float*>(param);
     a.grad = reinterpret_cast<const float*>(grad);
@@ -167,6 +169,7 @@ void adam_step(uintptr_t param,
         dispatch_out<true>(a, out_kind);
     else
         dispatch_out<false>(a, out_kind);
+    return "";
 }
 
 int max_threads()
@@ -185,7 +188,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.doc() = "Host Adam/AdamW over flat float32 tensors, with an optional bf16/fp16 copy of the result";
     m.def("adam_step",
           &adam_step,
-          "One Adam/AdamW step over raw float32 buffers (see csrc/adam/cpu_adam.cpp)",
+          "One Adam/AdamW step over raw float32 buffers; returns an error message, empty on success",
           py::arg("param"),
           py::arg("grad"),
           py::arg("exp_avg"),

@@ -46,38 +46,45 @@ def _on_cuda(tensor):
 
 
 def _factor_args(factor):
-    """A factor as the kernels take it: (float, None) or (1.0, 0-dim device tensor)."""
+    """A factor as the kernels take it: (float, None) or (1.0, 0-dim float32 device tensor)."""
     if torch.is_tensor(factor):
-        return 1.0, factor
+        return 1.0, factor if factor.dtype == torch.float32 else factor.float()
     return float(factor), None
+
+
+def _raise_if(error):
+    # The kernels report a rejected input by returning its message (no C++ exception crosses the extension).
+    if error:
+        raise RuntimeError(error)
 
 
 def scale_accumulate(targets, grads, factor):
     if not targets or not _on_cuda(targets[0]):
         return grad_ops._TORCH["scale_accumulate"](targets, grads, factor)
     value, tensor = _factor_args(factor)
-    _op.scale_accumulate(targets, grads, value, tensor)
+    _raise_if(_op.scale_accumulate(targets, grads, value, tensor))
 
 
 def flatten_into(grads, out, factor, accumulate):
     if not _on_cuda(out):
         return grad_ops._TORCH["flatten_into"](grads, out, factor, accumulate)
     value, tensor = _factor_args(factor)
-    _op.flatten_into(grads, out, value, tensor, bool(accumulate))
+    _raise_if(_op.flatten_into(grads, out, value, tensor, bool(accumulate)))
 
 
 def chunk_into(grads, rows, factor, accumulate):
     if not grads or not _on_cuda(rows):
         return grad_ops._TORCH["chunk_into"](grads, rows, factor, accumulate)
     value, tensor = _factor_args(factor)
-    _op.chunk_into(grads, rows, value, tensor, bool(accumulate))
+    _raise_if(_op.chunk_into(grads, rows, value, tensor, bool(accumulate)))
 
 
 def partial_sq_norm(tensors, device=None, unscale=None):
     if not tensors or not _on_cuda(tensors[0]):
         return grad_ops._TORCH["partial_sq_norm"](tensors, device, unscale)
     value, tensor = (1.0, None) if unscale is None else _factor_args(unscale)
-    total = _op.partial_sq_norm(tensors, unscale is not None, value, tensor)
+    total, error = _op.partial_sq_norm(tensors, unscale is not None, value, tensor)
+    _raise_if(error)
     return total if device is None else total.to(device)
 
 
@@ -85,19 +92,19 @@ def scale_(tensors, coef):
     if not tensors or not _on_cuda(tensors[0]):
         return grad_ops._TORCH["scale_"](tensors, coef)
     value, tensor = _factor_args(coef)
-    _op.scale_(tensors, value, tensor)
+    _raise_if(_op.scale_(tensors, value, tensor))
 
 
 def cast_copy(dsts, srcs):
     if not dsts or not (_on_cuda(dsts[0]) and _on_cuda(srcs[0])):
         return grad_ops._TORCH["cast_copy"](dsts, srcs)
-    _op.cast_copy(dsts, srcs)
+    _raise_if(_op.cast_copy(dsts, srcs))
 
 
 def pack_cast(srcs, out):
     if not srcs or not (_on_cuda(out) and _on_cuda(srcs[0])):
         return grad_ops._TORCH["pack_cast"](srcs, out)
-    _op.pack_cast(srcs, out)
+    _raise_if(_op.pack_cast(srcs, out))
 
 
 WRAPPERS = {name: globals()[name] for name in NAMES}
