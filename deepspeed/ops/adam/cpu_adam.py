@@ -12,11 +12,11 @@ and two upstream behaviours the offload path relies on:
   is also copied into the matching tensor of ``fp16_param_groups`` (one list per group, or
   a single list / tensor for one group), e.g. the low-precision model weights.
 
-float32 CPU parameters are updated by the host Adam op (``deepspeed.ops.adam.host_adam``: one
-multithreaded pass, built on first use) where it can be built; a bf16/fp16 CPU tensor of
-``fp16_param_groups`` (a pinned upload buffer, say) is then written in that same pass. Without a
-C++ compiler, or with ``DS_NATIVE_CPU_ADAM=0``, torch's kernels run instead (same results to
-float32 rounding, same state layout).
+A float32 CPU parameter whose ``fp16_param_groups`` target is a bf16/fp16 CPU tensor (a pinned
+upload buffer, say) is updated by the host Adam op (``deepspeed.ops.adam.host_adam``: one
+multithreaded pass that also writes the target, built on first use); ``DS_NATIVE_CPU_ADAM=1``
+uses the op for every float32 CPU update, ``=0`` never. Without a C++ compiler torch's kernels
+run instead (same results to float32 rounding, same state layout).
 """
 
 import torch
@@ -109,20 +109,23 @@ class DeepSpeedCPUAdam(TorchKernelAdam):
 
     def _step_on_host_op(self, group, params, grads):
         """Update what the host Adam op supports; return the parameters and gradients left for torch."""
-        if not params or not host_adam.group_supported(group):
+        policy = host_adam.native_policy()
+        if not params or policy == "never" or (policy == "copy" and not self._copy_targets):
+            return params, grads
+        if not host_adam.group_supported(group):
             return params, grads
         op = host_adam.host_adam_op()
         if op is None:
             return params, grads
         rest_params, rest_grads = [], []
         for p, g in zip(params, grads):
-            if not host_adam.tensor_supported(p, g):
-                rest_params.append(p)
-                rest_grads.append(g)
-                continue
             target = self._copy_targets.get(p)
             if not host_adam.copy_target_supported(op, target, p):
                 target = None
+            if not host_adam.tensor_supported(p, g) or (target is None and policy == "copy"):
+                rest_params.append(p)
+                rest_grads.append(g)
+                continue
             host_adam.adam_step(op, group, p.data, g, self._state_for(p, p, group), target)
             if target is not None:
                 self._written_by_op.add(p)  # step() assigned a fresh set before this
