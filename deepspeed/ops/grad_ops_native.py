@@ -27,8 +27,10 @@ from deepspeed.runtime.zero import grad_ops
 
 NAMES = ("scale_accumulate", "flatten_into", "chunk_into", "partial_sq_norm", "scale_", "cast_copy", "pack_cast")
 
-DEFAULT_NATIVE = ()
-"""The kernels registered when ``DS_NATIVE_GRAD_OPS`` is unset (decided by the H200 measurements)."""
+DEFAULT_NATIVE = NAMES
+"""The kernels registered when ``DS_NATIVE_GRAD_OPS`` is unset: every one, since each was measured faster than
+the torch function it replaces on an H200, for few large tensors and for many small ones (docs/performance.md,
+"Native ops"; ``python -m benchmarks.bench_grad_ops``)."""
 
 _op = None  # the loaded extension, once register() or load() found it
 
