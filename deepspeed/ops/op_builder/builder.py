@@ -169,7 +169,8 @@ class OpBuilder:
         return []
 
     def cxx_args(self):
-        return ["-O3", "-std=c++17", "-g0"]
+        # No -std flag: torch's extension builder passes the standard its headers need.
+        return ["-O3", "-g0"]
 
     def nvcc_args(self):
         return []
@@ -351,7 +352,7 @@ class CUDAOpBuilder(OpBuilder):
         return True
 
     def nvcc_args(self):
-        return ["-O3", "-std=c++17"]
+        return ["-O3"]
 
     def incompatible_reason(self):
         torch = _torch()
