@@ -279,11 +279,14 @@ class DeepSpeedAccelerator(abc.ABC):
         return "deepspeed.ops.op_builder"
 
     def create_op_builder(self, class_name):
-        """Op builders are not provided by this accelerator; kernels are loaded by ``deepspeed.ops``."""
-        return None
+        """An instance of the op builder called ``class_name`` (``deepspeed.ops.op_builder``), or None."""
+        builder = self.get_op_builder(class_name)
+        return builder() if builder is not None else None
 
     def get_op_builder(self, class_name):
-        return None
+        """The op builder class called ``class_name`` (e.g. ``"CPUAdamBuilder"``), or None."""
+        from deepspeed.ops.op_builder import builder_class
+        return builder_class(class_name)
 
     def build_extension(self):
         from torch.utils.cpp_extension import BuildExtension

@@ -16,6 +16,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.ops import grad_ops_native
 from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.accumulation import AccumulationWindow
 from deepspeed.runtime.backward import ownership, registry
@@ -67,6 +68,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.data_parallel_group = None  # the default group
         self.device = torch.device(get_accelerator().device_name(
             self.local_rank)) if get_accelerator()._name != "cpu" else torch.device("cpu")
+        grad_ops_native.register(self.device)  # native kernels where selected (DS_NATIVE_GRAD_OPS)
 
         self.global_steps = 0
         self.global_samples = 0

@@ -155,7 +155,10 @@ def test_cpu_dtypes_and_misc(cpu):
     assert calls == [1]
     cpu.range_push("region")
     cpu.range_pop()
-    assert cpu.create_op_builder("FusedAdamBuilder") is None and cpu.get_op_builder("FusedAdamBuilder") is None
+    from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+    assert cpu.get_op_builder("FusedAdamBuilder") is FusedAdamBuilder
+    assert isinstance(cpu.create_op_builder("CPUAdamBuilder"), CPUAdamBuilder)
+    assert cpu.create_op_builder("NoSuchBuilder") is None
     assert cpu.visible_devices_envs() == [] and cpu.export_envs() == []
     env = {}
     cpu.set_visible_devices_envs(env, [0, 1])

@@ -11,10 +11,17 @@ and two upstream behaviours the offload path relies on:
 - ``step(closure=None, fp16_param_groups=None)``: after the update, each stepped parameter
   is also copied into the matching tensor of ``fp16_param_groups`` (one list per group, or
   a single list / tensor for one group), e.g. the low-precision model weights.
+
+A float32 CPU parameter whose ``fp16_param_groups`` target is a bf16/fp16 CPU tensor (a pinned
+upload buffer, say) is updated by the host Adam op (``deepspeed.ops.adam.host_adam``: one
+multithreaded pass that also writes the target, built on first use); ``DS_NATIVE_CPU_ADAM=1``
+uses the op for every float32 CPU update, ``=0`` never. Without a C++ compiler torch's kernels
+run instead (same results to float32 rounding, same state layout).
 """
 
 import torch
 
+from deepspeed.ops.adam import host_adam
 from deepspeed.ops.adam.fused_adam import TorchKernelAdam
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -64,15 +71,28 @@ class DeepSpeedCPUAdam(TorchKernelAdam):
     def step(self, closure=None, fp16_param_groups=None):
         """One Adam step; then copy each stepped parameter into ``fp16_param_groups`` if given."""
         stepped = [[p.grad is not None for p in group['params']] for group in self.param_groups]
-        loss = super().step(closure)
+        # Where the host op may write each parameter's low-precision copy, and which copies it wrote.
+        self._copy_targets, self._written_by_op = {}, set()
         if fp16_param_groups is not None:
-            for group, targets, flags in zip(self.param_groups, _as_group_lists(fp16_param_groups), stepped):
-                for p, target, was_stepped in zip(group['params'], targets, flags):
-                    if was_stepped:
-                        target.data.copy_(p.data)
+            for group, targets in zip(self.param_groups, _as_group_lists(fp16_param_groups)):
+                for p, target in zip(group['params'], targets):
+                    self._copy_targets[p] = target
+        try:
+            loss = super().step(closure)
+            if fp16_param_groups is not None:
+                written = self._written_by_op
+                for group, targets, flags in zip(self.param_groups, _as_group_lists(fp16_param_groups), stepped):
+                    for p, target, was_stepped in zip(group['params'], targets, flags):
+                        if was_stepped and p not in written:
+                            target.data.copy_(p.data)
+        finally:
+            self._copy_targets, self._written_by_op = {}, set()
         return loss
 
+    _copy_targets = {}  # outside step(): no copy targets
+
     def _step_group(self, group, params, grads):
+        params, grads = self._step_on_host_op(group, params, grads)
         native = [(p, g) for p, g in zip(params, grads) if not self._steps_in_fp32(p)]
         widened = [(p, g) for p, g in zip(params, grads) if self._steps_in_fp32(p)]
         if native:
@@ -86,6 +106,30 @@ class DeepSpeedCPUAdam(TorchKernelAdam):
             self._adam(group, masters, [g.float() for _, g in widened], owners)
             for owner, master in zip(owners, masters):
                 owner.copy_(master)
+
+    def _step_on_host_op(self, group, params, grads):
+        """Update what the host Adam op supports; return the parameters and gradients left for torch."""
+        policy = host_adam.native_policy()
+        if not params or policy == "never" or (policy == "copy" and not self._copy_targets):
+            return params, grads
+        if not host_adam.group_supported(group):
+            return params, grads
+        op = host_adam.host_adam_op()
+        if op is None:
+            return params, grads
+        rest_params, rest_grads = [], []
+        for p, g in zip(params, grads):
+            target = self._copy_targets.get(p)
+            if not host_adam.copy_target_supported(op, target, p):
+                target = None
+            if not host_adam.tensor_supported(p, g) or (target is None and policy == "copy"):
+                rest_params.append(p)
+                rest_grads.append(g)
+                continue
+            host_adam.adam_step(op, group, p.data, g, self._state_for(p, p, group), target)
+            if target is not None:
+                self._written_by_op.add(p)  # step() assigned a fresh set before this
+        return rest_params, rest_grads
 
     def _widen_state(self, param):
         """Keep a low-precision parameter's moments in float32 (a loaded checkpoint may narrow them)."""

@@ -71,12 +71,17 @@ def _chunk_into(grads, rows, factor, accumulate):
         torch._chunk_cat(flat, dim=0, num_chunks=world, out=rows)
 
 
-def _partial_sq_norm(tensors, device=None):
+def _partial_sq_norm(tensors, device=None, unscale=None):
     """The sum of squares of every element of ``tensors`` as a 0-dim float32 tensor on ``device``.
 
     ``device`` defaults to the tensors' device; with no tensors the result is 0. A non-finite
-    element makes the result non-finite (inf or nan): the overflow check reads it.
+    element makes the result non-finite (inf or nan): the overflow check reads it. With
+    ``unscale`` (a float or a 0-dim tensor, e.g. ``1 / loss_scale``) every tensor is first
+    multiplied by it in place, and the squares are those of the scaled values (one pass in the
+    native kernel: unscale, non-finite check and norm together).
     """
+    if unscale is not None:
+        _scale_(tensors, unscale)
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)

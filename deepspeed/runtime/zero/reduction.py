@@ -74,6 +74,15 @@ def _flat_copy_in(target, bucket, slots, grads, factor, fresh):
         return
     if fresh:
         target.zero_()
+    start = slots[0].offset
+    end = start
+    for slot in slots:
+        if slot.offset != end:
+            break
+        end += slot.numel
+    else:  # one contiguous run (the usual partial copy-in: backward delivers in layout order)
+        grad_ops.flatten_into(grads, target.narrow(0, start, end - start), factor, accumulate=True)
+        return
     grad_ops.scale_accumulate([target.narrow(0, s.offset, s.numel).view(s.shape) for s in slots], grads, factor)
 
 

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The host Adam op (``csrc/adam/cpu_adam.cpp``) behind ``DeepSpeedCPUAdam``.
+
+:func:`host_adam_op` loads it (prebuilt or JIT; None with a one-line note where no C++ compiler is found,
+and never when ``DS_NATIVE_CPU_ADAM=0``); :func:`native_policy` says which updates use it (by default those
+that also write a bf16/fp16 copy: measured faster than torch's fused AdamW followed by the copy, while the
+update alone is at parity on 16 cores, docs/performance.md). :func:`group_supported` and
+:func:`tensor_supported` say which updates it takes: float32, contiguous CPU tensors in a group without
+amsgrad, maximize, capturable or tensor hyperparameters; everything else stays on torch's kernels.
+:func:`adam_step` runs one update, optionally writing the updated parameter's bf16/fp16 copy into ``out`` in
+the same pass.
+
+The update is torch's single-tensor Adam/AdamW in float32 (same order of operations), so results agree with
+``torch.optim.AdamW`` to float32 rounding; the optimizer state keeps torch's layout (``step``, ``exp_avg``,
+``exp_avg_sq``), so a checkpoint does not depend on which path stepped it.
+"""
+
+import math
+import os
+
+import torch
+
+from deepspeed.ops.native import load_op
+from deepspeed.ops.op_builder import CPUAdamBuilder
+
+_OUT_KINDS = {torch.bfloat16: 1, torch.float16: 2}
+
+
+def native_policy():
+    """When DeepSpeedCPUAdam uses the op, from ``DS_NATIVE_CPU_ADAM``: ``"copy"`` (unset: only for updates that
+    also write a low-precision copy, where the single pass was measured faster than torch's fused AdamW plus a
+    copy), ``"all"`` (``=1``: every supported update) or ``"never"`` (``=0``)."""
+    return {"1": "all", "0": "never"}.get(os.environ.get("DS_NATIVE_CPU_ADAM", ""), "copy")
+
+
+def host_adam_op():
+    """The loaded op, or None (``DS_NATIVE_CPU_ADAM=0``, or not buildable here)."""
+    if native_policy() == "never":
+        return None
+    return load_op(CPUAdamBuilder(), "DeepSpeedCPUAdam's step")
+
+
+def group_supported(group):
+    """Whether the op implements this param group's update rule."""
+    scalars = (group["lr"], group["eps"], group["weight_decay"]) + tuple(group["betas"])
+    return (not group["amsgrad"] and not group["maximize"] and not group.get("capturable", False)
+            and not group.get("differentiable", False) and not any(torch.is_tensor(s) for s in scalars))
+
+
+def _flat_cpu_fp32(tensor):
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.is_contiguous()
+
+
+def tensor_supported(param, grad):
+    """Whether the op can update ``param`` with ``grad`` (float32, contiguous, on the CPU, dense)."""
+    return (_flat_cpu_fp32(param) and not grad.is_sparse and _flat_cpu_fp32(grad) and grad.numel() == param.numel())
+
+
+def copy_target_supported(op, target, param):
+    """Whether the op can write ``param``'s updated copy into ``target`` itself (CPU bf16/fp16, contiguous)."""
+    if target is None or target.device.type != "cpu" or not target.is_contiguous():
+        return False
+    if target.numel() != param.numel() or target.dtype not in _OUT_KINDS:
+        return False
+    return target.dtype != torch.float16 or op.has_float16()
+
+
+def adam_step(op, group, param, grad, state, out=None):
+    """One Adam/AdamW update of ``param`` in place (``state['step']`` is incremented); ``out``, if given and
+    accepted by :func:`copy_target_supported`, receives the updated values rounded to its dtype.
+
+    Raises ValueError, before changing anything, for moments that are not float32 CPU tensors like ``param``.
+    """
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    for moment in (exp_avg, exp_avg_sq):
+        if not _flat_cpu_fp32(moment) or moment.numel() != param.numel():
+            raise ValueError("host Adam: the moments must be contiguous float32 CPU tensors shaped like the parameter")
+    state["step"] += 1
+    step = float(state["step"])
+    beta1, beta2 = group["betas"]
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    error = op.adam_step(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), param.numel(),
+                         float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                         float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bias_correction1,
+                         bias_correction2_sqrt, 0 if out is None else out.data_ptr(),
+                         0 if out is None else _OUT_KINDS[out.dtype], torch.get_num_threads())
+    if error:  # the op reports a rejected argument by its message (no C++ exception crosses the extension)
+        raise ValueError(error)
