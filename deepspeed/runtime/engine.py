@@ -30,6 +30,7 @@ from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.engine_optimizer import EngineOptimizer
 from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
+from deepspeed.runtime.precision.overflow import report_skipped_step
 from deepspeed.runtime.zero.stage0 import Stage0
 from deepspeed.runtime.zero.stage_1_and_2 import PartitionedStage
 from deepspeed.runtime.zero.stage3 import Stage3
@@ -238,7 +239,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                          self.loss_scaler,
                                          cfg.gradient_clipping,
                                          self.zero_grad,
-                                         check_overflow=cfg.fp16_enabled)
+                                         check_overflow=cfg.check_grad_overflow)
         self._ownership = ownership.Ownership(self._stage.grads,
                                               params,
                                               clear_published=getattr(self._stage.grads, "_publish", False))
@@ -446,7 +447,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         elif self.optimizer is not None:
             self.skipped_steps += 1
-            log_dist(f"fp16 overflow: step skipped, loss scale now {self.loss_scaler.loss_scale}", ranks=[0])
+            report_skipped_step(self.global_steps + 1, self.loss_scaler, self.get_global_grad_norm())
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         spp = self.steps_per_print()

@@ -8,8 +8,10 @@ working), its ``state``, ``state_dict``/``load_state_dict``, and adds the loss s
 The boundary step, in order, the same on every rank:
 
 1. the stage finishes this window's reductions;
-2. fp16: overflow check (every rank reaches the same verdict); an overflowing step is
-   skipped, the loss scale drops, the window is discarded;
+2. overflow check (fp16 always, bf16 unless ``bf16.check_grad_overflow`` is false, fp32 when
+   ``check_grad_overflow`` is set): a step whose global gradient norm is not finite is skipped on
+   every rank (the verdict comes from reduced gradients), the loss scale drops (fp16), the window
+   is discarded;
 3. the global gradient norm (kept for ``get_global_grad_norm``, also with clipping off);
 4. clipping: gradients scaled by ``min(1, clip / (norm + 1e-6))``, on the device, no sync;
 5. the inner optimizer steps (on fp32 masters for 16-bit models) and the model is updated.
@@ -29,7 +31,8 @@ class EngineOptimizer(ZeROOptimizer):
         self.loss_scaler = loss_scaler
         self.gradient_clipping = float(gradient_clipping or 0.0)
         self._zero_grad_fn = zero_grad_fn
-        self.check_overflow = check_overflow  # fp16
+        # Upstream's attribute name; users set it to turn the check on for fp32.
+        self.check_grad_overflow = bool(check_overflow)
         self.overflow = False
         self._global_grad_norm = None
 
@@ -91,9 +94,9 @@ class EngineOptimizer(ZeROOptimizer):
         """Run steps 1-5 of the module docstring; return whether the update was applied."""
         stage = self.stage
         stage.finish_window()
-        self.overflow = self.check_overflow and stage.found_overflow()
+        self.overflow = self.check_grad_overflow and stage.found_overflow()
         if self.overflow:
-            self._global_grad_norm = torch.tensor(float("inf"))
+            self._global_grad_norm = stage.global_grad_norm()  # inf or nan: get_global_grad_norm() shows which
             self.loss_scaler.update_scale(True)
             return False
         norm = stage.global_grad_norm()
