@@ -22,7 +22,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime import lr_schedules
+from deepspeed.runtime import engine_lifecycle, lr_schedules
 from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
@@ -470,13 +470,18 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         return self.train(False)
 
     def destroy(self):
-        """Remove every hook and mark this engine put on the model and free its buffers."""
+        """Remove every hook and mark this engine put on the model and free its buffers.
+
+        Afterwards every method of the engine and of its optimizer raises ``EngineDestroyedError``
+        (``engine.module`` stays usable); calling ``destroy()`` again does nothing.
+        """
         registry.discard_stale_sessions()
         if self._ownership is not None:
             self._ownership.release()
             self._ownership = None
         if self._stage is not None:
             self._stage.release()
+        engine_lifecycle.retire(self)
 
 
 def _cast_floats(obj, dtype):
