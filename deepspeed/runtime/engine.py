@@ -22,7 +22,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime import engine_lifecycle, lr_schedules
+from deepspeed.runtime import agreement, engine_lifecycle, lr_schedules
 from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
@@ -64,7 +64,6 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._config = config_class if config_class is not None else DeepSpeedConfig(config)
         self.config = self._config._param_dict
         cfg = self._config
-        self._validate_supported(cfg)
 
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -74,6 +73,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.data_parallel_group = None  # the default group
         self.device = torch.device(get_accelerator().device_name(
             self.local_rank)) if get_accelerator()._name != "cpu" else torch.device("cpu")
+        # Before any other collective: ranks whose configs or models differ would hang or abort in one.
+        agreement.check_ranks_agree(cfg, model, optimizer is not None or cfg.optimizer_name is not None, self.device)
+        self._validate_supported(cfg)
 
         self.global_steps = 0
         self.global_samples = 0
