@@ -99,9 +99,11 @@ class ReferenceDriver:
         self.zeroed = True
 
 
-def protocol_context(protocol, engines, boundary):
+def protocol_context(protocol, engines, boundary, coalesce=False):
+    """The context a micro-step of ``protocol`` runs in; ``coalesce`` adds ``coalesce_grad_reduction()``
+    to any protocol (with unmanaged accumulation, an extension upstream rejects)."""
     if protocol == "no_sync" and not boundary:
         return engines[0].no_sync()
-    if protocol == "coalesce":
+    if protocol == "coalesce" or coalesce:
         return engines[0].coalesce_grad_reduction()
     return contextlib.nullcontext()
