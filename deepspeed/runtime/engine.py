@@ -17,6 +17,7 @@ The accumulation boundary, three ways (all supported):
 """
 
 import contextlib
+import logging
 
 import torch
 
@@ -31,6 +32,7 @@ from deepspeed.runtime.engine_optimizer import EngineOptimizer
 from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
 from deepspeed.runtime.precision.overflow import report_skipped_step
+from deepspeed.runtime.usage_errors import EngineUsageError, require_scalar_loss
 from deepspeed.runtime.zero.stage0 import Stage0
 from deepspeed.runtime.zero.stage_1_and_2 import PartitionedStage
 from deepspeed.runtime.zero.stage3 import Stage3
@@ -86,6 +88,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._no_sync_depth = 0
         self._coalesce_depth = 0
         self._step_applied = False
+        self._unmanaged_micro_batches = 0  # engine.backward/engine.scale calls since the last step()
 
         self.module = model
         self._prepare_module(model, dont_change_device)
@@ -140,8 +143,12 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def _build_optimizer(self, client_optimizer, model_parameters):
         cfg = self._config
         if client_optimizer is not None and cfg.optimizer_name is not None:
-            raise ValueError("deepspeed.initialize: both a client optimizer and a config 'optimizer' section were "
-                             "given; pass one of them")
+            # Upstream trains with the client optimizer then; frameworks rely on it.
+            log_dist(
+                f"deepspeed.initialize: both a client optimizer and a config 'optimizer' section (type "
+                f"{cfg.optimizer_name}) were given; the client optimizer is used and the section is ignored",
+                ranks=[0],
+                level=logging.WARNING)
         params = model_parameters if model_parameters is not None else self.module.parameters()
         if client_optimizer is None:
             if cfg.optimizer_name is None:
@@ -346,8 +353,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
     def set_gradient_accumulation_boundary(self, is_boundary):
         if not self._config.managed_gradient_accumulation:
-            raise RuntimeError("set_gradient_accumulation_boundary() cannot be used with "
-                               "managed_gradient_accumulation=false: every step() is the boundary there")
+            raise EngineUsageError("set_gradient_accumulation_boundary() cannot be used with "
+                                   "managed_gradient_accumulation=false: every step() is the boundary there")
         self._boundary_flag = bool(is_boundary)
 
     def _reduce_in_backward(self):
@@ -363,8 +370,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def no_sync(self):
         """Accumulate gradients locally, without communication, inside the context."""
         if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
-                               f"gradients are partitioned during every backward")
+            raise EngineUsageError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
+                                   f"gradients are partitioned during every backward")
         self._no_sync_depth += 1
         try:
             yield
@@ -405,6 +412,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         registry.discard_stale_sessions()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"engine.backward expects a tensor loss, got {type(loss).__name__}")
+        require_scalar_loss(loss, "engine.backward")
+        if not self._config.managed_gradient_accumulation:
+            self._unmanaged_micro_batches += 1
         if self._stage is None:
             loss.backward(retain_graph=retain_graph)
             return loss
@@ -420,6 +430,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
     def scale(self, loss):
         """``loss`` times the fp16 loss scale, seeded so that a direct ``.backward()`` on it is exact."""
+        require_scalar_loss(loss, "engine.scale")
+        if not self._config.managed_gradient_accumulation:
+            self._unmanaged_micro_batches += 1
         if self._stage is None:
             return loss
         return ownership.seed(loss, self.loss_scaler.loss_scale, True, False, "engine.scale", self._stage.grads)
@@ -451,7 +464,12 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self.skipped_steps += 1
             report_skipped_step(self.global_steps + 1, self.loss_scaler, self.get_global_grad_norm())
         self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        if self._config.managed_gradient_accumulation:
+            self.global_samples += self.train_batch_size()
+        else:  # the caller owns the boundary: count the micro-batches of this step, as upstream
+            self.global_samples += self._unmanaged_micro_batches * self.train_micro_batch_size_per_gpu() * \
+                self.dp_world_size
+            self._unmanaged_micro_batches = 0
         spp = self.steps_per_print()
         if spp and self.global_rank == 0 and self.global_steps % spp == 0:
             logger.info(f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}")

@@ -25,6 +25,12 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 class EngineOptimizer(ZeROOptimizer):
     """The engine's optimizer: the client optimizer plus precision, clipping and the stage's gradients."""
 
+    # Upstream's loss-scaling attributes, read by its tests and by frameworks: this runtime has no
+    # custom (external) loss scale and no torch.amp GradScaler; fp16 loss scaling is `loss_scaler`.
+    custom_loss_scaler = False
+    external_loss_scale = None
+    torch_autocast_gradscaler = None
+
     def __init__(self, inner, stage, loss_scaler, gradient_clipping, zero_grad_fn, check_overflow):
         self.optimizer = inner
         self.stage = stage
@@ -60,6 +66,15 @@ class EngineOptimizer(ZeROOptimizer):
     @property
     def cur_scale(self):
         return self.loss_scaler.loss_scale
+
+    @property
+    def dynamic_loss_scale(self):
+        return self.loss_scaler.dynamic
+
+    def needs_scaler(self):
+        """Whether a backward must be loss-scaled (fp16): a direct ``loss.backward()`` then raises,
+        ``engine.backward(loss)`` or ``engine.scale(loss).backward()`` are required."""
+        return bool(self.stage.grads.requires_loss_scale)
 
     def zero_grad(self, set_to_none=True):
         """Discard the gradients of the current accumulation window."""
