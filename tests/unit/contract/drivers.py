@@ -33,8 +33,14 @@ class EngineDriver:
         self.engines[i].backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def direct(self, tensor, grad=None, retain_graph=False):
-        """A direct ``.backward()``; under fp16 its only legal form, ``engine.scale(t).backward()``."""
+        """A direct ``.backward()``; under fp16 its only legal form, ``engine.scale(t).backward()``.
+
+        ``engine.scale`` takes a scalar loss, as upstream's; under fp16 a non-scalar ``tensor.backward(grad)``
+        becomes the scalar ``(tensor * grad).sum()``, whose backward sends exactly ``grad`` into ``tensor``.
+        """
         if self.fp16:
+            if grad is not None:
+                tensor, grad = (tensor.float() * grad.float()).sum(), None
             tensor = self.engines[0].scale(tensor)
         tensor.backward(grad, retain_graph=retain_graph)
 
