@@ -14,6 +14,7 @@ from deepspeed.runtime import zero  # noqa: F401
 from deepspeed.runtime.activation_checkpointing import checkpointing  # noqa: F401
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: F401
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: F401
+from deepspeed.pipe import PipelineModule  # noqa: F401  (importable; constructing it raises)
 from deepspeed.utils import log_dist, logger  # noqa: F401
 
 # `import deepspeed.checkpointing` works too, not only the attribute.

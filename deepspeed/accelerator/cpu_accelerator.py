@@ -236,8 +236,16 @@ class CPU_Accelerator(DeepSpeedAccelerator):
         return True
 
     def is_fp16_supported(self):
-        """True: torch has CPU float16 kernels for the operations training needs (slow, but exact)."""
-        return True
+        """Upstream's answer: whether oneDNN has native float16 kernels on this CPU (AVX512-FP16 or AMX-FP16).
+
+        Frameworks and upstream's tests pick bf16 or fp16 from this. fp16 training on the CPU works here
+        whatever the answer (torch's float16 kernels, slow but exact): that is an extension, see
+        docs/compatibility.md.
+        """
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        except (AttributeError, RuntimeError):
+            return False
 
     def amp(self):
         return torch.amp

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import fallbacks
+from . import fallbacks, lifecycle
 from .env import discover
 from .fallbacks import COLLECTIVE_ERRORS, all_gather_single, reduce_scatter_single
 from .reduce_op import ReduceOp
@@ -32,6 +32,9 @@ _capabilities = fallbacks.capabilities
 _AVG = ReduceOp.AVG
 
 DEFAULT_PG_TIMEOUT = timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", 30)))
+
+# Before any process group exists, so that no module import pins the default group (see lifecycle.py).
+lifecycle.import_group_pinning_modules()
 
 # ---- process groups ---------------------------------------------------------------------------------
 
@@ -50,7 +53,8 @@ def init_distributed(dist_backend=None,
 
     Postconditions: torch.distributed is initialised (unless ``dist_init_required``
     is False, which leaves it as it is); ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``
-    are in ``os.environ``; on CUDA the current device is ``LOCAL_RANK``. The
+    are in ``os.environ``; on CUDA the current device is ``LOCAL_RANK``; a group
+    created here is destroyed at interpreter exit unless the script destroyed it. The
     backend defaults to the accelerator's (``nccl`` on CUDA, ``gloo`` on CPU).
     ``config`` (a DeepSpeed config dict or ``DeepSpeedConfig``) configures the comms logger.
     """
@@ -86,6 +90,8 @@ def init_distributed(dist_backend=None,
                             world_size=launch.world_size,
                             rank=launch.rank,
                             **kwargs)
+    # A group we created is destroyed before interpreter shutdown if the script does not (see lifecycle.py).
+    lifecycle.destroy_at_exit()
 
 
 def is_initialized():

@@ -429,6 +429,10 @@ class DeepSpeedConfig:
         self.bfloat16_enabled = bf16.enabled
         self.bfloat16_immediate_grad_update = bf16.immediate_grad_update
         self.bfloat16_check_grad_overflow = bf16.check_grad_overflow
+        # Whether a boundary step with a non-finite gradient is skipped: always for fp16 (overflow is how its
+        # loss scale adapts), as `bf16.check_grad_overflow` says for bf16, never for fp32 (upstream's choice;
+        # `engine.optimizer.check_grad_overflow = True` turns it on there).
+        self.check_grad_overflow = fp16.enabled or (bf16.enabled and bf16.check_grad_overflow)
         self.bf16_master_weights_and_grads = bf16.bf16_master_weights_and_grads
         self.bf16_optimizer_states = bf16.bf16_optimizer_states
 

@@ -17,7 +17,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops import grad_ops_native
-from deepspeed.runtime import lr_schedules
+from deepspeed.runtime import agreement, engine_lifecycle, lr_schedules
 from deepspeed.runtime.accumulation import AccumulationWindow
 from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
@@ -27,6 +27,8 @@ from deepspeed.runtime.engine_optimizer import EngineOptimizer
 from deepspeed.runtime.instrumentation import EngineInstrumentation
 from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
+from deepspeed.runtime.precision.overflow import report_skipped_step
+from deepspeed.runtime.usage_errors import EngineUsageError, require_scalar_loss
 from deepspeed.runtime.zero.stages import StageConfig, build_stage
 from deepspeed.utils.logging import log_dist
 
@@ -58,7 +60,6 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._config = config_class if config_class is not None else DeepSpeedConfig(config)
         self.config = self._config._param_dict
         cfg = self._config
-        self._validate_supported(cfg)
 
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -68,6 +69,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.data_parallel_group = None  # the default group
         self.device = torch.device(get_accelerator().device_name(
             self.local_rank)) if get_accelerator()._name != "cpu" else torch.device("cpu")
+        # Before any other collective: ranks whose configs or models differ would hang or abort in one.
+        agreement.check_ranks_agree(cfg, model, optimizer is not None or cfg.optimizer_name is not None, self.device)
+        self._validate_supported(cfg)
         grad_ops_native.register(self.device)  # native kernels where selected (DS_NATIVE_GRAD_OPS)
 
         self.global_steps = 0
@@ -77,6 +81,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._step_applied = False
         self._warned_empty_step = False
         self._is_compiled = False
+        self._unmanaged_micro_batches = 0  # engine.backward/engine.scale calls since the last step()
 
         self.module = model
         # Monitor, timers, comms logger, flops profiler, eigenvalue: set up (and checked on every rank) before the
@@ -139,8 +144,12 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def _build_optimizer(self, client_optimizer, model_parameters):
         cfg = self._config
         if client_optimizer is not None and cfg.optimizer_name is not None:
-            raise ValueError("deepspeed.initialize: both a client optimizer and a config 'optimizer' section were "
-                             "given; pass one of them")
+            # Upstream trains with the client optimizer then; frameworks rely on it.
+            log_dist(
+                f"deepspeed.initialize: both a client optimizer and a config 'optimizer' section (type "
+                f"{cfg.optimizer_name}) were given; the client optimizer is used and the section is ignored",
+                ranks=[0],
+                level=logging.WARNING)
         params = model_parameters if model_parameters is not None else self.module.parameters()
         if client_optimizer is None:
             if cfg.optimizer_name is None:
@@ -181,7 +190,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                          self.loss_scaler,
                                          cfg.gradient_clipping,
                                          self.zero_grad,
-                                         check_overflow=cfg.fp16_enabled)
+                                         check_overflow=cfg.check_grad_overflow)
         self._ownership = ownership.Ownership(self._stage)
 
     def _build_lr_scheduler(self, client_scheduler):
@@ -287,16 +296,16 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
     def set_gradient_accumulation_boundary(self, is_boundary):
         if not self._config.managed_gradient_accumulation:
-            raise RuntimeError("set_gradient_accumulation_boundary() cannot be used with "
-                               "managed_gradient_accumulation=false: every step() is the boundary there")
+            raise EngineUsageError("set_gradient_accumulation_boundary() cannot be used with "
+                                   "managed_gradient_accumulation=false: every step() is the boundary there")
         self.window.boundary_flag = bool(is_boundary)
 
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally, without communication, inside the context."""
         if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
-                               f"gradients are partitioned during every backward")
+            raise EngineUsageError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
+                                   f"gradients are partitioned during every backward")
         with self.window.no_sync():
             yield
 
@@ -356,6 +365,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         registry.discard_stale_sessions()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"engine.backward expects a tensor loss, got {type(loss).__name__}")
+        require_scalar_loss(loss, "engine.backward")
+        if not self._config.managed_gradient_accumulation:
+            self._unmanaged_micro_batches += 1
         with self._instruments.backward(loss):
             if self._stage is None:
                 loss.backward(retain_graph=retain_graph)
@@ -374,6 +386,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
     def scale(self, loss):
         """``loss`` times the fp16 loss scale, seeded so that a direct ``.backward()`` on it is exact."""
+        require_scalar_loss(loss, "engine.scale")
+        if not self._config.managed_gradient_accumulation:
+            self._unmanaged_micro_batches += 1
         if self._stage is None:
             return loss
         return ownership.seed(loss, self.loss_scaler.loss_scale, True, False, "engine.scale", self._stage.pipeline)
@@ -417,9 +432,14 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         elif self.optimizer is not None:
             self.skipped_steps += 1
-            log_dist(f"fp16 overflow: step skipped, loss scale now {self.loss_scaler.loss_scale}", ranks=[0])
+            report_skipped_step(self.global_steps + 1, self.loss_scaler, self.get_global_grad_norm())
         self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        if self._config.managed_gradient_accumulation:
+            self.global_samples += self.train_batch_size()
+        else:  # the caller owns the boundary: count the micro-batches of this step, as upstream
+            self.global_samples += self._unmanaged_micro_batches * self.train_micro_batch_size_per_gpu() * \
+                self.dp_world_size
+            self._unmanaged_micro_batches = 0
 
     def zero_grad(self, set_to_none=True):
         """Discard the gradients of the current accumulation window (and any failed backward's state)."""
@@ -437,7 +457,11 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         return self.train(False)
 
     def destroy(self):
-        """Remove every hook and mark this engine put on the model and free its buffers."""
+        """Remove every hook and mark this engine put on the model and free its buffers.
+
+        Afterwards every method of the engine and of its optimizer raises ``EngineDestroyedError``
+        (``engine.module`` stays usable); calling ``destroy()`` again does nothing.
+        """
         registry.discard_stale_sessions()
         self._instruments.close()
         if self._ownership is not None:
@@ -445,6 +469,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self._ownership = None
         if self._stage is not None:
             self._stage.release()
+        engine_lifecycle.retire(self)
 
 
 def _cast_floats(obj, dtype):

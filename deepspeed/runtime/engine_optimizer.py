@@ -8,8 +8,10 @@ working), its ``state``, ``state_dict``/``load_state_dict``, and adds the loss s
 The boundary step, in order, the same on every rank:
 
 1. the stage finishes this window's reductions;
-2. fp16: overflow check (every rank reaches the same verdict); an overflowing step is
-   skipped, the loss scale drops, the window is discarded;
+2. overflow check (fp16 always, bf16 unless ``bf16.check_grad_overflow`` is false, fp32 when
+   ``check_grad_overflow`` is set): a step whose global gradient norm is not finite is skipped on
+   every rank (the verdict comes from reduced gradients), the loss scale drops (fp16), the window
+   is discarded;
 3. the global gradient norm (kept for ``get_global_grad_norm``, also with clipping off);
 4. clipping: gradients scaled by ``min(1, clip / (norm + 1e-6))``, on the device, no sync;
 5. the inner optimizer steps (on fp32 masters for 16-bit models) and the model is updated.
@@ -24,13 +26,20 @@ from deepspeed.utils.timer import OPTIMIZER_GRADIENTS_TIMER
 class EngineOptimizer(ZeROOptimizer):
     """The engine's optimizer: the client optimizer plus precision, clipping and the stage's gradients."""
 
+    # Upstream's loss-scaling attributes, read by its tests and by frameworks: this runtime has no
+    # custom (external) loss scale and no torch.amp GradScaler; fp16 loss scaling is `loss_scaler`.
+    custom_loss_scaler = False
+    external_loss_scale = None
+    torch_autocast_gradscaler = None
+
     def __init__(self, inner, stage, loss_scaler, gradient_clipping, zero_grad_fn, check_overflow):
         self.optimizer = inner
         self.stage = stage
         self.loss_scaler = loss_scaler
         self.gradient_clipping = float(gradient_clipping or 0.0)
         self._zero_grad_fn = zero_grad_fn
-        self.check_overflow = check_overflow  # fp16
+        # Upstream's attribute name; users set it to turn the check on for fp32.
+        self.check_grad_overflow = bool(check_overflow)
         self.overflow = False
         self._global_grad_norm = None
 
@@ -58,6 +67,15 @@ class EngineOptimizer(ZeROOptimizer):
     @property
     def cur_scale(self):
         return self.loss_scaler.loss_scale
+
+    @property
+    def dynamic_loss_scale(self):
+        return self.loss_scaler.dynamic
+
+    def needs_scaler(self):
+        """Whether a backward must be loss-scaled (fp16): a direct ``loss.backward()`` then raises,
+        ``engine.backward(loss)`` or ``engine.scale(loss).backward()`` are required."""
+        return bool(self.stage.config.requires_loss_scale)
 
     def zero_grad(self, set_to_none=True):
         """Discard the gradients of the current accumulation window."""
@@ -92,9 +110,9 @@ class EngineOptimizer(ZeROOptimizer):
         """Run steps 1-5 of the module docstring; return whether the update was applied."""
         stage = self.stage
         stage.finish_window()
-        self.overflow = self.check_overflow and stage.found_overflow()
+        self.overflow = self.check_grad_overflow and stage.found_overflow()
         if self.overflow:
-            self._global_grad_norm = torch.tensor(float("inf"))
+            self._global_grad_norm = stage.global_grad_norm()  # inf or nan: get_global_grad_norm() shows which
             self.loss_scaler.update_scale(True)
             return False
         with stage.timed(OPTIMIZER_GRADIENTS_TIMER):

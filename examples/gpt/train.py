@@ -7,7 +7,11 @@ forever, so the next token is predictable and the loss falls within a few steps.
 ``--log_interval`` optimizer steps and a final line with the throughput in tokens/s.
 
 Precision defaults to bf16 on a CUDA machine and fp32 otherwise, unless the config enables fp16 or bf16 itself or
-``--dtype`` says otherwise; ``--zero_stage`` overrides ``zero_optimization.stage``.
+``--dtype`` says otherwise; ``--zero_stage`` overrides ``zero_optimization.stage``. ``--offload`` keeps the optimizer
+state (and, at ZeRO-3, the parameters) in CPU memory. Ready-made configs for that:
+``--deepspeed_config examples/gpt/ds_config_zero2_offload.json`` (ZeRO-2, optimizer offload) and
+``examples/gpt/ds_config_zero3_offload.json`` (ZeRO-3, optimizer and parameter offload); docs/zero.md explains
+every key.
 """
 
 import argparse
@@ -33,6 +37,10 @@ def parse_args(argv=None):
     parser.add_argument("--deepspeed_config", type=str, default=DEFAULT_CONFIG, help="DeepSpeed JSON config.")
     parser.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=None, help="Override ZeRO stage.")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="Override precision.")
+    parser.add_argument("--offload",
+                        action="store_true",
+                        help="Keep the optimizer state in CPU memory (ZeRO stage 1-3), and at ZeRO-3 the parameters "
+                        "too.")
     parser.add_argument("--log_interval", type=int, default=5, help="Print the loss every this many steps.")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--vocab_size", type=int, default=256)
@@ -44,16 +52,26 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def load_config(path, zero_stage=None, dtype=None, cuda=False):
+def load_config(path, zero_stage=None, dtype=None, cuda=False, offload=False):
     """Read the DeepSpeed config at ``path`` and apply the command-line overrides.
 
     ``dtype`` None keeps the config's fp16/bf16 sections when one is enabled, else picks bf16 when ``cuda`` and
-    fp32 otherwise.
+    fp32 otherwise. ``offload`` adds ``offload_optimizer`` (and at stage 3 ``offload_param``) on the CPU, pinned
+    when ``cuda``; it needs a ZeRO stage of 1 or more (stage 0 keeps no optimizer state of its own to move).
     """
     with open(path, encoding="utf-8") as handle:
         config = json.load(handle)
     if zero_stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = zero_stage
+    if offload:
+        zero = config.setdefault("zero_optimization", {})
+        stage = zero.get("stage", 0)
+        if stage == 0:
+            raise SystemExit("train.py: --offload needs ZeRO stage 1, 2 or 3: add --zero_stage 2 (or 3, which "
+                             "offloads the parameters too)")
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
     if dtype is None:
         if any(config.get(section, {}).get("enabled", False) for section in ("fp16", "bf16")):
             return config
@@ -86,7 +104,11 @@ class RepeatingPatternData:
 def main(argv=None):
     args = parse_args(argv)
     deepspeed.init_distributed()
-    config = load_config(args.deepspeed_config, args.zero_stage, args.dtype, cuda=torch.cuda.is_available())
+    config = load_config(args.deepspeed_config,
+                         args.zero_stage,
+                         args.dtype,
+                         cuda=torch.cuda.is_available(),
+                         offload=args.offload)
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(
@@ -104,9 +126,12 @@ def main(argv=None):
     data = RepeatingPatternData(args.vocab_size, args.seq_len, args.seed, rank)
     if rank == 0:
         precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+        zero = config.get("zero_optimization", {})
+        offloaded = [what for what in ("optimizer", "param") if zero.get(f"offload_{what}", {}).get("device") == "cpu"]
         print(
             f"world {world_size}, ZeRO stage {engine.zero_optimization_stage()}, {precision}, micro-batch "
-            f"{micro_batch} x {accumulation} accumulation steps, device {engine.device}",
+            f"{micro_batch} x {accumulation} accumulation steps, device {engine.device}, offload to CPU: "
+            f"{' and '.join(offloaded) or 'none'}",
             flush=True)
 
     start = time.perf_counter()

@@ -112,8 +112,9 @@ class BackwardSession:
     def _join(self, pipeline):
         seed = self.seed if self.seed is not None else IMPLICIT_SEED
         if pipeline.requires_loss_scale and self.seed is None:
-            self._fail("an fp16 engine received gradients from a plain loss.backward(): fp16 gradients must be "
-                       "loss-scaled to be correct. Use engine.backward(loss), or engine.scale(loss).backward().")
+            self._fail("Loss scaling is required for this configuration (fp16), but an fp16 engine received "
+                       "gradients from a plain loss.backward(): fp16 gradients must be loss-scaled to be correct. "
+                       "Use engine.backward(loss), or engine.scale(loss).backward().")
         gas = pipeline.gradient_accumulation_steps
         if not seed.scale_wrt_gas:
             others = {p.gradient_accumulation_steps for p in self._factors}

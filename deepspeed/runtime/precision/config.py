@@ -2,7 +2,8 @@
 """The ``fp16`` and ``bf16`` sections (``bfloat16`` is accepted as the older name of ``bf16``).
 
 Keys and defaults are upstream's. ``fp16.loss_scale`` 0 selects dynamic loss scaling starting at
-``2 ** initial_scale_power``; any positive value is a static scale.
+``2 ** initial_scale_power``; any positive value is a static scale. ``bf16.check_grad_overflow``
+(default true, as upstream) skips a bf16 step whose gradients are not finite, as fp16 always does.
 """
 
 import dataclasses
@@ -58,7 +59,7 @@ class DeepSpeedBF16Config(ConfigSection):
     """Validated ``bf16`` settings."""
     enabled: bool = config_field(False, parse=boolean())
     immediate_grad_update: bool = config_field(False, parse=boolean())
-    check_grad_overflow: bool = config_field(False, parse=boolean())
+    check_grad_overflow: bool = config_field(True, parse=boolean())
     bf16_master_weights_and_grads: bool = config_field(False, parse=boolean())
     bf16_optimizer_states: bool = config_field(False, parse=boolean())
 

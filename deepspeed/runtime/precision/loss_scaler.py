@@ -30,6 +30,10 @@ class LossScaler:
     def update_scale(self, overflow):
         pass
 
+    def scale_loss(self, loss):
+        """``loss`` times the current scale (upstream's name; the engine seeds its losses itself)."""
+        return loss * self.loss_scale
+
     def state_dict(self):
         return {"cur_scale": self.cur_scale}
 

@@ -33,8 +33,14 @@ class EngineDriver:
         self.engines[i].backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def direct(self, tensor, grad=None, retain_graph=False):
-        """A direct ``.backward()``; under fp16 its only legal form, ``engine.scale(t).backward()``."""
+        """A direct ``.backward()``; under fp16 its only legal form, ``engine.scale(t).backward()``.
+
+        ``engine.scale`` takes a scalar loss, as upstream's; under fp16 a non-scalar ``tensor.backward(grad)``
+        becomes the scalar ``(tensor * grad).sum()``, whose backward sends exactly ``grad`` into ``tensor``.
+        """
         if self.fp16:
+            if grad is not None:
+                tensor, grad = (tensor.float() * grad.float()).sum(), None
             tensor = self.engines[0].scale(tensor)
         tensor.backward(grad, retain_graph=retain_graph)
 
@@ -99,9 +105,11 @@ class ReferenceDriver:
         self.zeroed = True
 
 
-def protocol_context(protocol, engines, boundary):
+def protocol_context(protocol, engines, boundary, coalesce=False):
+    """The context a micro-step of ``protocol`` runs in; ``coalesce`` adds ``coalesce_grad_reduction()``
+    to any protocol (with unmanaged accumulation, an extension upstream rejects)."""
     if protocol == "no_sync" and not boundary:
         return engines[0].no_sync()
-    if protocol == "coalesce":
+    if protocol == "coalesce" or coalesce:
         return engines[0].coalesce_grad_reduction()
     return contextlib.nullcontext()

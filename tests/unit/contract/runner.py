@@ -193,7 +193,7 @@ def run_cell(cell):
             if shape.protocol == "accelerate":
                 for e, b in zip(engines, boundary):
                     e.set_gradient_accumulation_boundary(b)
-            with protocol_context(shape.protocol, engines, boundary[0]):
+            with protocol_context(shape.protocol, engines, boundary[0], coalesce=cell.get("coalesce", False)):
                 shape.fn(drv, batch(rank, t), t, rank)
             ref.micro_step(shape, t, batch)
             if cell["stage"] == 3:
