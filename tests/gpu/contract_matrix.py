@@ -51,6 +51,9 @@ def contract_cells():
     cells.append(_cell(2, "plain", "fp16", 2, OFFLOAD, tag="-offload"))
     for stage, shape in itertools.product([1, 2], ["plain", "two_losses_retained"]):
         cells.append(_cell(stage, shape, "bf16", 2, SERIAL, bucket=int(5e8), tag="-serial-onebucket"))
+    # deepspeedai/DeepSpeed#8224: an encoder used twice (engine and engine.module), ZeRO-2, overlap, GAS 8
+    for shape in ["mixed_submodule", "mixed_submodule_direct"]:
+        cells.append(_cell(2, shape, "bf16", 8, OVERLAP, tag="-encoder-twice"))
     for shape, dtype, gas in itertools.product(SHAPES3, ["bf16", "fp16"], [1, 2]):
         cells.append(_cell(3, shape, dtype, gas, UNITS3))
     for shape in ["plain", "ckpt_reentrant", "tied_weights"]:

@@ -186,3 +186,22 @@ def test_bf16_accumulation(stage, shape, world):
         cell["zero_extra"] = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 100}
     checked = run_distributed(run_cell, world, args=(cell, ), timeout=120)
     assert all(c >= 2 for c in checked), checked
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("shape", ["mixed_submodule", "mixed_submodule_direct"])
+def test_encoder_reused_for_an_auxiliary_loss(shape, world):
+    """The shape of deepspeedai/DeepSpeed#8224: an encoder applied twice per step, once through the engine and once
+    through ``engine.module`` for an auxiliary loss; ZeRO-2, bf16, ``overlap_comm``, clipping 1.0, GAS 8, with
+    ``engine.backward`` and with a direct ``loss.backward()``."""
+    cell = dict(stage=2,
+                shape=shape,
+                dtype="bf16",
+                gas=8,
+                bucket=64,
+                zero_extra={
+                    "overlap_comm": True,
+                    "contiguous_gradients": True
+                })
+    checked = run_distributed(run_cell, world, args=(cell, ), timeout=120)
+    assert all(c >= 2 for c in checked), checked
