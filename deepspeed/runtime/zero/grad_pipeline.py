@@ -93,11 +93,6 @@ class GradBucket:
     pending: dict = field(default_factory=dict)  # slot -> gradient not yet copied in
     pending_numel: int = 0
     staging: Optional[torch.Tensor] = None  # per-bucket staging, for geometries that allocate it on demand
-    geometry_info: object = None  # whatever the geometry keeps per bucket
-
-    @property
-    def expected(self):
-        return len(self.slots)
 
 
 class _Pass:
@@ -275,6 +270,8 @@ class GradPipeline:
         self.geometry.copy_in(bucket, slots, grads, self._factor)
         pending.clear()
         bucket.pending_numel = 0
+        if self._identity:  # on a world of one the copy-in is the whole reduction
+            bucket.state = BucketState.FOLDED
 
     def _add_late(self, slot, grad):
         self.geometry.add_late(self._late, slot, grad, self._factor)
