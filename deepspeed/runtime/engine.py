@@ -260,12 +260,6 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def zero_gather_16bit_weights_on_model_save(self):
         return bool(self._config.zero_config.stage3_gather_16bit_weights_on_model_save)
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
-        """The whole 16-bit state dict of a ZeRO-3 model (a collective: call it on every rank)."""
-        if self.zero_optimization_stage() != 3:
-            raise RuntimeError("_zero3_consolidated_16bit_state_dict() is for ZeRO stage 3 engines")
-        return self._stage.consolidated_state_dict(exclude_frozen_parameters)
-
     def was_step_applied(self):
         return self._step_applied
 
