@@ -28,6 +28,7 @@ from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
 from deepspeed.runtime.zero.stages import StageConfig, build_stage
 from deepspeed.utils.logging import log_dist
+from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
 
 
 class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
@@ -119,6 +120,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self._dtype = torch.float16
         else:
             self._dtype = torch.float32
+        apply_zero_leaf_module_config(model, cfg.zero_config.leaf_module)
         if not dont_change_device:
             model.to(self.device)
         if self._dtype != torch.float32:
