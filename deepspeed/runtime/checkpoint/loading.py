@@ -48,7 +48,7 @@ class _Load:
     def __init__(self, engine, load_module_strict, load_optimizer_states, load_module_only, custom_load_fn):
         self.engine = engine
         self.stage = checkpoint_of(engine)
-        self.has_stage = self.stage.has_optimizer
+        self.has_optimizer = self.stage.has_optimizer
         self.strict = load_module_strict and custom_load_fn is None
         self.load_optimizer_states = load_optimizer_states
         self.module_only = load_module_only
@@ -80,14 +80,14 @@ class _Load:
         self.module_values = saved.module_values()
         if saved.per_rank:
             self._read_per_rank()
-        elif self.has_stage:
+        elif self.has_optimizer:
             self._read_replicated()
 
     def _read_per_rank(self):
         """A stage-3 checkpoint: the parameters live in the optimizer files, even for ``load_module_only``."""
-        self.with_state = self.has_stage and self.load_optimizer_states and not self.module_only
+        self.with_state = self.has_optimizer and self.load_optimizer_states and not self.module_only
         self.needs_all_files = True
-        if self.has_stage:
+        if self.has_optimizer:
             self._try_own_partition()
 
     def _read_replicated(self):
@@ -133,7 +133,7 @@ class _Load:
         full, frozen, self.scaler = saved.full_state(self.with_state)
         if saved.per_rank:
             self.module_values = saved.module_values(full, frozen)
-        if self.has_stage:
+        if self.has_optimizer:
             self.apply_optimizer = self.stage.prepare_import(full, self.with_state, self.name_of, saved.directory)
 
     # -------------------------------------------------------------- apply
@@ -151,7 +151,7 @@ class _Load:
         """Masters, optimizer, scaler (collective for stages 1-3), scheduler and counters."""
         engine = self.engine
         ckpt = self.saved.checkpoint
-        if self.has_stage:
+        if self.has_optimizer:
             if self.refresh_masters:
                 self.stage.refresh_from_model()
             elif self.apply_optimizer is not None:
