@@ -31,6 +31,7 @@ from deepspeed.runtime.precision.overflow import report_skipped_step
 from deepspeed.runtime.usage_errors import EngineUsageError, require_scalar_loss
 from deepspeed.runtime.zero.stages import StageConfig, build_stage
 from deepspeed.utils.logging import log_dist
+from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
 
 
 class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
@@ -126,6 +127,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self._dtype = torch.float16
         else:
             self._dtype = torch.float32
+        apply_zero_leaf_module_config(model, cfg.zero_config.leaf_module)
         if not dont_change_device:
             model.to(self.device)
         if self._dtype != torch.float32:
@@ -270,12 +272,6 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
     def zero_gather_16bit_weights_on_model_save(self):
         return bool(self._config.zero_config.stage3_gather_16bit_weights_on_model_save)
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
-        """The whole 16-bit state dict of a ZeRO-3 model (a collective: call it on every rank)."""
-        if self.zero_optimization_stage() != 3:
-            raise RuntimeError("_zero3_consolidated_16bit_state_dict() is for ZeRO stage 3 engines")
-        return self._stage.consolidated_state_dict(exclude_frozen_parameters)
 
     def was_step_applied(self):
         return self._step_applied

@@ -23,7 +23,8 @@ IMPORTS = {
     ["zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange", "get_accelerator", "ZeroParamStatus"],
     "deepspeed.utils": [
         "safe_get_full_grad", "safe_set_full_grad", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
-        "safe_get_full_optimizer_state", "safe_get_local_grad", "safe_get_local_fp32_param"
+        "safe_get_full_optimizer_state", "safe_get_local_grad", "safe_get_local_fp32_param", "set_z3_leaf_modules",
+        "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"
     ],
     "deepspeed.utils.zero_to_fp32": [
         "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",

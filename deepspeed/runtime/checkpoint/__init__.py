@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Checkpoints of ZeRO stages 0, 1 and 2: saving, loading, resharding (see docs/checkpoints.md)."""
+"""Checkpoints of ZeRO stages 0-3: saving, loading across stages and world sizes (see docs/checkpoints.md)."""
 
 from deepspeed.runtime.checkpoint.engine_mixin import CheckpointEngineMixin, attach  # noqa: F401
 from deepspeed.runtime.checkpoint.validate import CheckpointError  # noqa: F401

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The engine's checkpoint methods: ``save_checkpoint``, ``load_checkpoint``, ``save_16bit_model``.
+"""The engine's checkpoint methods: ``save_checkpoint``, ``load_checkpoint``, ``save_16bit_model``, and the
+ZeRO-3 consolidated 16-bit state dict.
 
 ``DeepSpeedEngine`` gets them by inheriting :class:`CheckpointEngineMixin`; :func:`attach`
 gives them to an engine class that does not (it copies the methods onto the class).
@@ -11,6 +12,7 @@ import os
 
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.checkpoint import loading, saving
+from deepspeed.runtime.checkpoint.consolidated import consolidated_16bit_state_dict
 from deepspeed.runtime.checkpoint.model_state import module_state_dict
 from deepspeed.runtime.checkpoint.validate import check_dir
 from deepspeed.runtime.checkpoint.writer import atomic_torch_save
@@ -46,10 +48,11 @@ class CheckpointEngineMixin:
         """Collective: restore a checkpoint; ``(path of its model-states file, client_state)``.
 
         ``tag=None`` reads ``<load_dir>/latest``; ``(None, None)`` when there is nothing to
-        load (no ``latest``, or an explicit tag whose directory does not exist). A stage 1/2
-        checkpoint loads into any data-parallel world size and into stages 0, 1 and 2;
-        parameters are matched by name. A missing, truncated or mismatched file, or a model
-        of another shape, raises on every rank with a message naming the file.
+        load (no ``latest``, or an explicit tag whose directory does not exist). A checkpoint
+        of any stage loads into any data-parallel world size and any stage; parameters are
+        matched by name. ``client_state`` is upstream's: the model-states file's entries the
+        load did not consume. A missing, truncated or mismatched file, or a model of another
+        shape, raises on every rank with a message naming the file.
         """
         return loading.load(self,
                             load_dir,
@@ -71,6 +74,17 @@ class CheckpointEngineMixin:
             return state
         return module_state_dict(self.module, exclude_frozen_parameters)
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """Collective (call it on every rank): the whole 16-bit state dict of a ZeRO-3 model, on rank 0.
+
+        As upstream: an ``OrderedDict`` of CPU tensors on rank 0 (every name of a tied
+        parameter, no non-persistent buffers; see ``consolidated.py``), None on the other
+        ranks. ValueError on stages 0-2.
+        """
+        if self.zero_optimization_stage() != 3 or self._stage is None:
+            raise ValueError("_zero3_consolidated_16bit_state_dict() needs a ZeRO stage 3 engine with an optimizer")
+        return consolidated_16bit_state_dict(self.module, self._stage.checkpoint(), exclude_frozen_parameters)
+
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Rank 0 writes the module's state dict (in the model's dtype) to ``<save_dir>/<save_filename>``.
 
@@ -87,13 +101,15 @@ class CheckpointEngineMixin:
                 logger.warning(f"save_16bit_model: did not save {path}: with ZeRO stage 3 it needs "
                                f"zero_optimization.stage3_gather_16bit_weights_on_model_save=true")
                 return False
+            # fresh CPU tensors already, tied names bound to one tensor (saved once, as upstream)
             state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         else:
             saving.check_stage(self, "save_16bit_model")
             state = module_state_dict(self.module, exclude_frozen_parameters) if self.global_rank == 0 else None
+            state = clone_tensors_for_torch_save(state)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
-            atomic_torch_save(clone_tensors_for_torch_save(state), path)
+            atomic_torch_save(state, path)
         return True
 
 

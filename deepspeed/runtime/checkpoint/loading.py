@@ -1,37 +1,43 @@
 # SPDX-License-Identifier: Apache-2.0
 """``load_checkpoint``: read and check everything first, agree, then change the engine.
 
+The saved checkpoint may come from any stage and world size (:class:`SavedCheckpoint`
+reads either layout); the engine's stage is reached only through its
+:class:`~deepspeed.runtime.checkpoint.stage_checkpoint.StageCheckpoint`.
+
 Phase 1 (local, every rank): resolve the tag (``latest`` when None), read the
-model-states file, check the module's keys and shapes against the checkpoint, and read
-what the optimizer needs: for a stage 1/2 checkpoint loaded into the same layout
-(same stage family, world size and buckets), only this rank's own optimizer file. The
-ranks agree on the outcome (one ``all_gather_object``): nothing to load on every rank
-gives ``(None, None)``; any error raises on every rank.
+model-states file, check the module's keys and full shapes against the checkpoint, and
+read what the optimizer needs: a stage-0 checkpoint's state from the model-states file,
+or, when the stage says it may load this rank's own optimizer file as it is (same stage
+family, world size and layout), only that file. The ranks agree on the outcome (one
+``all_gather_object``): nothing to load on every rank gives ``(None, None)``; any error
+raises on every rank.
 
 Phase 2 (only when some rank cannot use its own file: another world size, stage or
-bucket size): every rank reads every saved rank's file and rebuilds the state by
-parameter name (:mod:`reshard`), then partitions it into its own layout. The ranks
-agree again.
+layout, or a stage-3 checkpoint whose parameters this engine needs whole): every rank
+reads every saved rank's file and rebuilds the state by parameter name (a ``FullState``),
+which the stage checks against its own layout. The ranks agree again.
 
-Apply: the accumulation window is discarded and the module loaded (the ranks agree once
-more: a ``custom_load_fn`` may raise); then the fp32 masters and inner optimizer state
-(with the all-gather of stages 1/2), the loss scaler, the LR scheduler and the counters
-are restored.
+Apply: the accumulation window is discarded and the module loaded
+(``StageCheckpoint.import_module``; the ranks agree once more: a ``custom_load_fn`` may
+raise); then the stage's ``apply()`` (the fp32 masters and inner optimizer state; it may
+be collective), the loss scaler, the LR scheduler and the counters.
 
 What is restored, by argument: ``load_module_only`` loads only the module (fp32 masters
-are refreshed from it); otherwise the fp32 masters come from the checkpoint's fp32
-values, the inner optimizer state only with ``load_optimizer_states``, the scheduler
-only with ``load_lr_scheduler_states``; counters (``global_steps``, ``global_samples``,
-``skipped_steps``) unless ``load_module_only``.
+are refreshed from it; a stage-3 checkpoint keeps the parameters' values as fp32
+masters, which are loaded); otherwise the fp32 masters come from the checkpoint's fp32
+values, the inner optimizer state only with ``load_optimizer_states``, the scheduler only
+with ``load_lr_scheduler_states``; counters (``global_steps``, ``global_samples``,
+``skipped_steps``) unless ``load_module_only``. The client state returned is upstream's
+(``model_state.client_state_of``).
 """
 
-import os
-
-from deepspeed.runtime.checkpoint import paths, stage3_state, stage_state
 from deepspeed.runtime.checkpoint.model_state import check_module, client_state_of, param_names
-from deepspeed.runtime.checkpoint.reader import META_KEY, check_save_id, load_file, resolve_tag
-from deepspeed.runtime.checkpoint.reshard import full_state_from_partitions, same_layout
+from deepspeed.runtime.checkpoint.optimizer_state import import_scaler
+from deepspeed.runtime.checkpoint.reader import resolve_tag
+from deepspeed.runtime.checkpoint.saved import SavedCheckpoint
 from deepspeed.runtime.checkpoint.saving import check_stage
+from deepspeed.runtime.checkpoint.stage_checkpoint import checkpoint_of
 from deepspeed.runtime.checkpoint.validate import CheckpointError, agree, check_dir
 from deepspeed.utils.logging import logger
 
@@ -41,203 +47,117 @@ class _Load:
 
     def __init__(self, engine, load_module_strict, load_optimizer_states, load_module_only, custom_load_fn):
         self.engine = engine
+        self.stage = checkpoint_of(engine)
+        self.has_optimizer = self.stage.has_optimizer
         self.strict = load_module_strict and custom_load_fn is None
         self.load_optimizer_states = load_optimizer_states
         self.module_only = load_module_only
         self.custom_load_fn = custom_load_fn
         self.name_of = param_names(engine.module)
+        self.dp_rank = engine.global_rank
         self.tag = None
         self.reason = None
-        self.model_path = None
-        self.checkpoint = None
-        self.scaler = None  # where the saved loss-scaler state is
+        self.saved = None
+        self.module_values = None
+        self.scaler = None  # the payload holding the saved loss-scaler state
         self.apply_optimizer = None
         self.refresh_masters = False
         self.needs_all_files = False
-        self.saved_stage = None
-        self.meta = {}
-        self.load_dir = None
-        self.zero3 = engine.zero_optimization_stage() == 3
+        self.with_state = False  # the optimizer state is loaded too (phase 2 rebuilds it)
+
+    @property
+    def model_path(self):
+        return None if self.saved is None else self.saved.model_path
 
     # ----------------------------------------------------------- phase 1
     def read(self, load_dir, tag):
-        self.load_dir = check_dir(load_dir, "load_checkpoint")
-        self.tag, self.reason = resolve_tag(self.load_dir, tag)
+        load_dir = check_dir(load_dir, "load_checkpoint")
+        self.tag, self.reason = resolve_tag(load_dir, tag)
         if self.tag is None:
             return
-        self.model_path = paths.model_states_path(self.load_dir, self.tag)
-        saved_zero3 = not os.path.exists(self.model_path) and os.path.exists(
-            paths.zero3_model_states_path(self.load_dir, self.tag, 0))
-        if saved_zero3 != self.zero3:
-            raise NotImplementedError(f"{paths.tag_dir(self.load_dir, self.tag)}: loading a checkpoint of ZeRO "
-                                      f"stage {'3' if saved_zero3 else '0, 1 or 2'} into a ZeRO stage "
-                                      f"{self.engine.zero_optimization_stage()} engine is not implemented")
-        if self.zero3:
-            self._read_zero3()
-            return
-        ckpt = load_file(self.model_path, "the model states")
-        if not isinstance(ckpt, dict) or "module" not in ckpt:
-            raise CheckpointError(f"{self.model_path}: not a model-states file (no 'module' entry)")
-        self.checkpoint = ckpt
-        check_module(ckpt["module"], self.engine.module, self.strict, self.model_path)
-        if self.engine._stage is None:
-            return
+        self.saved = saved = SavedCheckpoint(load_dir, self.tag, self.dp_rank)
+        check_module(saved.saved_shapes(), self.engine.module, self.strict, saved.model_path)
+        self.module_values = saved.module_values()
+        if saved.per_rank:
+            self._read_per_rank()
+        elif self.has_optimizer:
+            self._read_replicated()
+
+    def _read_per_rank(self):
+        """A stage-3 checkpoint: the parameters live in the optimizer files, even for ``load_module_only``."""
+        self.with_state = self.has_optimizer and self.load_optimizer_states and not self.module_only
+        self.needs_all_files = True
+        if self.has_optimizer:
+            self._try_own_partition()
+
+    def _read_replicated(self):
+        """A checkpoint of stages 0-2: the module is in the model-states file; the masters come from the optimizer."""
+        saved = self.saved
         if self.module_only:
             self.refresh_masters = True
             return
-        meta = ckpt.get(META_KEY) or {}
-        self.meta = meta
-        has_optimizer = meta.get("has_optimizer", ckpt.get("optimizer") is not None)
-        if not has_optimizer:
+        if not saved.has_optimizer:
             if self.load_optimizer_states:
-                raise CheckpointError(f"{self.model_path}: the checkpoint holds no optimizer state (it was saved by "
+                raise CheckpointError(f"{saved.model_path}: the checkpoint holds no optimizer state (it was saved by "
                                       f"an engine without an optimizer); load with load_module_only=True or "
                                       f"load_optimizer_states=False")
             self.refresh_masters = True
             return
-        self.saved_stage = meta.get("zero_stage", 0 if ckpt.get("optimizer") is not None else None)
-        if self.saved_stage == 0:
-            self._prepare_from_stage0(ckpt)
-        elif self.saved_stage in (1, 2):
-            self._read_own_partition(ckpt)
-        else:
-            raise CheckpointError(f"{self.model_path}: the checkpoint does not say which ZeRO stage wrote it; it was "
+        self.with_state = self.load_optimizer_states
+        if saved.saved_stage == 0:
+            names = [self.name_of[p] for group in self.stage.param_groups() for p in group]
+            full, self.scaler = saved.stage0_full_state(names)
+            self.apply_optimizer = self.stage.prepare_import(full, self.with_state, self.name_of, saved.model_path)
+            return
+        if saved.saved_stage not in (1, 2):
+            raise CheckpointError(f"{saved.model_path}: the checkpoint does not say which ZeRO stage wrote it; it was "
                                   f"not written by this runtime. Load with load_module_only=True")
-
-    def _read_zero3(self):
-        """Stage 3: this rank's model-states file (rank 0's when the save had fewer ranks), own optimizer file."""
-        engine = self.engine
-        dp_rank = engine._stage.layout.rank
-        own = paths.zero3_model_states_path(self.load_dir, self.tag, dp_rank)
-        self.model_path = own if os.path.exists(own) else paths.zero3_model_states_path(self.load_dir, self.tag, 0)
-        ckpt = load_file(self.model_path, "the model states")
-        if not isinstance(ckpt, dict) or "module" not in ckpt:
-            raise CheckpointError(f"{self.model_path}: not a model-states file (no 'module' entry)")
-        self.meta = meta = ckpt.get(META_KEY) or {}
-        if meta.get("zero_stage") != 3:
-            raise CheckpointError(f"{self.model_path}: not a ZeRO stage 3 model-states file of this runtime")
-        if self.model_path == own and dp_rank >= len(meta.get("model_files") or []):
-            raise CheckpointError(f"{own}: left over from another save (the checkpoint has "
-                                  f"{len(meta.get('model_files') or [])} ranks)")
-        self.checkpoint = ckpt
-        self.saved_stage = 3
-        stage3_state.check_zero3_module(ckpt, engine.module, self.strict, self.model_path)
-        if self.module_only:
-            self.load_optimizer_states = False
-        files = self._optim_files()
         self.needs_all_files = True
-        if len(files) != engine._stage.layout.world_size:
+        self._try_own_partition()
+
+    def _try_own_partition(self):
+        """Load this rank's own optimizer file as it is when the stage says it was saved in its layout."""
+        saved = self.saved
+        files = saved.optim_files()  # a wrong listing is an error of this phase
+        if not self.stage.reads_own_file(saved.saved_stage) or len(files) != self.engine.dp_world_size:
             return
-        path = files[dp_rank]
-        payload = load_file(path, f"the optimizer partition of rank {dp_rank}")
-        check_save_id(payload, path, meta.get("save_id"))
-        saved = payload.get("optimizer_state_dict") if isinstance(payload, dict) else None
-        if not isinstance(saved, dict) or stage3_state.LAYOUT3_KEY not in saved:
-            raise CheckpointError(f"{path}: not a ZeRO stage 3 optimizer file of this runtime (no layout)")
-        own_layout = stage3_state.describe_zero3_layout(engine._stage, self.name_of)
-        if not stage3_state.same_zero3_layout(saved[stage3_state.LAYOUT3_KEY], own_layout):
-            return
-        self.scaler = saved
-        self.apply_optimizer = stage3_state.prepare_zero3_same_layout(engine, saved, self.load_optimizer_states, path)
-        self.needs_all_files = False
-
-    def _trainable_names(self):
-        return [self.name_of[p] for group in stage_state.trainable_groups(self.engine) for p in group]
-
-    def _prepare_full(self, full, describe):
-        engine = self.engine
-        stage_state.check_full_state(full, stage_state.trainable_groups(engine), self.name_of, engine.basic_optimizer,
-                                     self.load_optimizer_states, describe)
-        if engine.zero_optimization_stage() == 0:
-            return stage_state.prepare_stage0(engine, full, self.load_optimizer_states, self.name_of)
-        return stage_state.prepare_partitioned_full(engine, full, self.load_optimizer_states, self.name_of, describe)
-
-    def _prepare_from_stage0(self, ckpt):
-        saved = ckpt.get("optimizer")
-        full = stage_state.full_state_from_stage0(saved, ckpt["module"], self._trainable_names(), self.model_path)
-        self.scaler = saved
-        self.apply_optimizer = self._prepare_full(full, self.model_path)
-
-    def _optim_files(self):
-        meta = self.meta
-        world = int(self.checkpoint.get("dp_world_size", 0))
-        names = meta.get("optim_files") or []
-        if len(names) != world:
-            raise CheckpointError(f"{self.model_path}: lists {len(names)} optimizer files for a data-parallel world "
-                                  f"of {world}")
-        return [os.path.join(paths.tag_dir(self.load_dir, self.tag), name) for name in names]
-
-    def _read_own_partition(self, ckpt):
-        engine = self.engine
-        files = self._optim_files()
-        stage = engine.zero_optimization_stage()
-        self.needs_all_files = True
-        if stage not in (1, 2):
-            return
-        dp_rank = engine._stage.layout.rank
-        if dp_rank >= len(files) or len(files) != engine._stage.layout.world_size:
-            return
-        path = files[dp_rank]
-        payload = load_file(path, f"the optimizer partition of rank {dp_rank}")
-        check_save_id(payload, path, self.meta.get("save_id"))
-        saved = payload.get("optimizer_state_dict") if isinstance(payload, dict) else None
-        if not isinstance(saved, dict) or "partition_layout" not in saved:
-            raise CheckpointError(f"{path}: not an optimizer file of this runtime (no partition layout)")
-        if not same_layout(saved["partition_layout"], stage_state.layout_of(engine, self.name_of)):
-            return  # loadable, but only through resharding
-        self.scaler = saved
-        self.apply_optimizer = stage_state.prepare_partitioned_same_layout(engine, saved, self.load_optimizer_states,
-                                                                           path)
-        self.needs_all_files = False
+        own = saved.own_partition(self.dp_rank)
+        if self.stage.fits(own.saved, self.name_of):
+            self.scaler = own.saved
+            self.apply_optimizer = self.stage.prepare_import(own, self.with_state, self.name_of, own.path)
+            self.needs_all_files = False
 
     # ----------------------------------------------------------- phase 2
     def read_all_partitions(self):
-        files = self._optim_files()
-        payloads = []
-        for rank, path in enumerate(files):
-            payload = load_file(path, f"the optimizer partition of rank {rank}", mmap=True)
-            check_save_id(payload, path, self.meta.get("save_id"))
-            saved = payload.get("optimizer_state_dict") if isinstance(payload, dict) else None
-            if not isinstance(saved, dict):
-                raise CheckpointError(f"{path}: not an optimizer file (no 'optimizer_state_dict' entry)")
-            payloads.append(saved)
-        self.scaler = payloads[0]
-        if self.saved_stage == 3:
-            full, frozen = stage3_state.full_state_from_zero3(payloads, files, with_state=self.load_optimizer_states)
-            self.apply_optimizer = stage3_state.prepare_zero3_full(self.engine, full, frozen,
-                                                                   self.load_optimizer_states, self.name_of,
-                                                                   paths.tag_dir(self.load_dir, self.tag))
-            return
-        full = full_state_from_partitions(payloads, files, with_state=self.load_optimizer_states)
-        self.apply_optimizer = self._prepare_full(full, paths.tag_dir(self.load_dir, self.tag))
+        saved = self.saved
+        full, frozen, self.scaler = saved.full_state(self.with_state)
+        if saved.per_rank:
+            self.module_values = saved.module_values(full, frozen)
+        if self.has_optimizer:
+            self.apply_optimizer = self.stage.prepare_import(full, self.with_state, self.name_of, saved.directory)
 
     # -------------------------------------------------------------- apply
     def apply_module(self):
         """Local: discard the accumulation window and load the module (may run the client's ``custom_load_fn``)."""
         engine = self.engine
-        ckpt = self.checkpoint
         engine.zero_grad()
         if self.custom_load_fn is not None:
-            self.custom_load_fn(src=ckpt["module"], dst=engine.module)
-        elif self.zero3:  # the saved module holds the buffers; parameters come from the optimizer files
-            engine.module.load_state_dict(ckpt["module"], strict=False)
+            self.custom_load_fn(src=self.module_values, dst=engine.module)
         else:
-            engine.module.load_state_dict(ckpt["module"], strict=self.strict)
+            # a per-rank checkpoint's names were checked (strictly, if asked) against the model in phase 1
+            self.stage.import_module(engine.module, self.module_values, self.strict and not self.saved.per_rank)
 
     def apply(self, load_lr_scheduler_states):
-        """Masters, optimizer, scaler (collective for stages 1/2: the all-gather), scheduler and counters."""
+        """Masters, optimizer, scaler (collective for stages 1-3), scheduler and counters."""
         engine = self.engine
-        ckpt = self.checkpoint
-        if engine._stage is not None:
+        ckpt = self.saved.checkpoint
+        if self.has_optimizer:
             if self.refresh_masters:
-                if engine.zero_optimization_stage() == 0:
-                    stage_state.refresh_stage0(engine)
-                else:
-                    stage_state.refresh_partitioned(engine)
+                self.stage.refresh_from_model()
             elif self.apply_optimizer is not None:
                 self.apply_optimizer()
                 if not self.module_only:
-                    stage_state.import_scaler(engine, self.scaler)
+                    import_scaler(engine, self.scaler)
         if self.module_only:
             return
         if load_lr_scheduler_states and engine.lr_scheduler is not None and ckpt.get("lr_scheduler") is not None:
@@ -245,6 +165,13 @@ class _Load:
         engine.global_steps = int(ckpt.get("global_steps", engine.global_steps))
         engine.global_samples = int(ckpt.get("global_samples", engine.global_steps * engine.train_batch_size()))
         engine.skipped_steps = int(ckpt.get("skipped_steps", engine.skipped_steps))
+
+    def client_state(self, load_lr_scheduler_states):
+        # As upstream: an engine whose optimizer state lives in the model-states file (stage 0) and that loaded
+        # optimizer states gets that file's ``optimizer`` entry back.
+        gives_back = self.stage.optimizer_in_model_states and self.load_optimizer_states and not self.module_only
+        return client_state_of(self.saved.checkpoint, self.load_optimizer_states, load_lr_scheduler_states,
+                               self.module_only, gives_back)
 
 
 def load(engine,
@@ -288,4 +215,4 @@ def load(engine,
         error = exc
     agree(error, None, group)
     plan.apply(load_lr_scheduler_states)
-    return plan.model_path, client_state_of(plan.checkpoint)
+    return plan.model_path, plan.client_state(load_lr_scheduler_states)

@@ -1,14 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The model-states file (``mp_rank_00_model_states.pt``): what it holds, and checks of a loaded one.
+"""The model-states file: what it holds, the client state a load returns, and checks of a loaded module.
 
-Keys, as upstream: ``module`` (the module's state_dict, compact CPU copies),
-``buffer_names``, ``optimizer`` (stage 0: see ``stage_state.export_stage0``; ZeRO:
-None), ``param_shapes`` (per param group: name -> shape of the trainable
-parameters), ``frozen_param_shapes`` (name -> shape of the frozen ones),
-``shared_params`` (alias name -> name of the parameter it is tied to),
-``lr_scheduler``, ``global_steps``, ``global_samples``, ``skipped_steps``,
-``dp_world_size``, ``mp_world_size``, ``ds_config``, ``ds_version``; plus
-``ds_checkpoint_meta`` (how this runtime wrote the checkpoint) and the client state.
+Keys, as upstream: ``module`` (the module's state_dict, compact CPU copies; ZeRO-3: the
+persistent buffers only), ``buffer_names``, ``optimizer`` (stage 0: its optimizer state;
+ZeRO: None), ``param_shapes`` (per param group: name -> full shape of the trainable
+parameters), ``frozen_param_shapes`` (name -> full shape of the frozen ones),
+``shared_params`` (alias name -> name of the parameter it is tied to), ``lr_scheduler``,
+``global_steps``, ``global_samples``, ``skipped_steps``, ``dp_world_size``,
+``mp_world_size``, ``ds_config``, ``ds_version``; plus ``ds_checkpoint_meta`` (how this
+runtime wrote the checkpoint) and the client state.
+
+The client state ``load_checkpoint`` returns is upstream's: every entry of the
+model-states file it read except those the load consumed (:func:`client_state_of`).
 """
 
 from collections import OrderedDict
@@ -19,13 +22,22 @@ from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.checkpoint.reader import META_KEY
 from deepspeed.runtime.checkpoint.validate import CheckpointError
 
-# Keys that are not client state: ours and those upstream writes.
+# Keys a client state may not use: ours and those upstream writes.
 RESERVED_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params", "lr_scheduler",
     "global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "frozen_param_fragments", "sparse_tensor_module_names", "csr_tensor_module_names", "data_sampler", "random_ltd",
     META_KEY
 })
+# What upstream's load removes from the returned dict: always the module; unless only the module is loaded, the
+# counters and the world sizes it restored; the scheduler and the optimizer when it loaded them.
+_CONSUMED_BY_FULL_LOAD = ("sparse_tensor_module_names", "skipped_steps", "global_steps", "dp_world_size",
+                          "mp_world_size", "data_sampler", "random_ltd")
+
+
+def full_shape(param):
+    """The whole shape of ``param`` (a ZeRO-3 parameter's ``ds_shape``, whose data is only a shard)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
 
 
 def param_names(module):
@@ -56,29 +68,35 @@ def module_state_dict(module, exclude_frozen_parameters=False):
 
 
 def buffer_names(module):
+    """The names of the module's persistent buffers (those ``state_dict()`` holds)."""
     persistent = set(module.state_dict().keys())
     return [name for name, _ in module.named_buffers() if name in persistent]
 
 
-def frozen_param_shapes(module):
-    return OrderedDict((name, param.shape) for name, param in module.named_parameters() if not param.requires_grad)
+def persistent_buffers(module):
+    """``{name: CPU copy}`` of the module's persistent buffers."""
+    persistent = set(buffer_names(module))
+    return {name: buf.detach().cpu().clone() for name, buf in module.named_buffers() if name in persistent}
 
 
-def param_shapes(groups, name_of):
-    """Per param group: name -> shape of its trainable parameters (``groups``: lists of model parameters)."""
-    return [OrderedDict((name_of[p], p.shape) for p in group) for group in groups]
+def build_model_states(engine, groups, exclude_frozen_parameters, meta, client_state, optimizer=None, module=None):
+    """The dict a model-states file holds (tensors compacted to the CPU).
 
-
-def build_model_states(engine, groups, exclude_frozen_parameters, optimizer_state, meta, client_state):
-    """The dict ``mp_rank_00_model_states.pt`` holds (tensors compacted to the CPU)."""
+    ``groups``: per param group, the trainable model parameters (``param_shapes``);
+    ``optimizer``: the ``optimizer`` entry; ``module``: the ``module`` entry (default: the
+    module's state dict).
+    """
     import deepspeed
     name_of = param_names(engine.module)
+    if module is None:
+        module = clone_tensors_for_torch_save(module_state_dict(engine.module, exclude_frozen_parameters))
     states = dict(
-        module=clone_tensors_for_torch_save(module_state_dict(engine.module, exclude_frozen_parameters)),
+        module=module,
         buffer_names=buffer_names(engine.module),
-        optimizer=optimizer_state,
-        param_shapes=param_shapes(groups, name_of),
-        frozen_param_shapes=frozen_param_shapes(engine.module),
+        optimizer=optimizer,
+        param_shapes=[OrderedDict((name_of[p], torch.Size(full_shape(p))) for p in group) for group in groups],
+        frozen_param_shapes=OrderedDict(
+            (name, torch.Size(full_shape(p))) for name, p in engine.module.named_parameters() if not p.requires_grad),
         shared_params=shared_params(engine.module),
         lr_scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         global_steps=engine.global_steps,
@@ -107,24 +125,53 @@ def check_client_state(client_state):
     return client_state
 
 
-def client_state_of(checkpoint):
-    return {key: value for key, value in checkpoint.items() if key not in RESERVED_KEYS}
+def client_state_of(checkpoint, load_optimizer_states, load_lr_scheduler_states, load_module_only,
+                    optimizer_from_model_states):
+    """What ``load_checkpoint`` returns as client state, as upstream computes it from the same file.
+
+    Every entry of ``checkpoint`` (the model-states dict) except ``module``; unless
+    ``load_module_only``, also except the counters and world sizes; ``lr_scheduler`` when
+    ``load_lr_scheduler_states``, ``optimizer`` when ``load_optimizer_states``. With
+    ``optimizer_from_model_states`` (an engine without ZeRO partitions that restored its
+    optimizer from this file, upstream's stage 0) ``optimizer`` is given back.
+    """
+    consumed = {"module"}
+    if not load_module_only:
+        consumed.update(_CONSUMED_BY_FULL_LOAD)
+    if load_lr_scheduler_states:
+        consumed.add("lr_scheduler")
+    if load_optimizer_states:
+        consumed.add("optimizer")
+    state = {key: value for key, value in checkpoint.items() if key not in consumed}
+    if optimizer_from_model_states:
+        state["optimizer"] = checkpoint.get("optimizer")
+    return state
 
 
-def check_module(saved, module, strict, path):
-    """CheckpointError naming the first parameter or buffer whose shape differs, or (strict) missing keys."""
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{path}: 'module' is not a state dict")
-    current = module.state_dict()
+def model_shapes(module):
+    """``{state-dict name: full shape}`` of the module's parameters (every name of a tied one) and buffers."""
+    shapes = {name: full_shape(p) for name, p in module.named_parameters(remove_duplicate=False)}
+    for name, buf in module.named_buffers():
+        shapes.setdefault(name, tuple(buf.shape))
+    return shapes
+
+
+def check_module(saved_shapes, module, strict, path):
+    """CheckpointError naming the first parameter or buffer whose shape differs, or (strict) missing keys.
+
+    ``saved_shapes``: ``{name: shape}`` of every entry the checkpoint has for the module.
+    """
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    for name, tensor in saved.items():
-        if name in current and torch.is_tensor(tensor) and tuple(tensor.shape) != tuple(current[name].shape):
+    current = model_shapes(module)
+    for name, shape in saved_shapes.items():
+        if name in current and tuple(shape) != current[name]:
             kind = "parameter" if name in params else "buffer"
-            raise CheckpointError(f"{path}: {kind} '{name}' has shape {tuple(tensor.shape)} in the checkpoint but "
-                                  f"{tuple(current[name].shape)} in the model; the checkpoint is of a different model")
+            raise CheckpointError(f"{path}: {kind} '{name}' has shape {tuple(shape)} in the checkpoint but "
+                                  f"{current[name]} in the model; the checkpoint is of a different model")
     if strict:
-        missing = [name for name in current if name not in saved]
-        unexpected = [name for name in saved if name not in current]
+        keys = list(module.state_dict().keys())
+        missing = [name for name in keys if name not in saved_shapes]
+        unexpected = [name for name in saved_shapes if name not in set(keys)]
         if missing or unexpected:
             raise CheckpointError(f"{path}: the checkpoint's module does not match the model "
                                   f"(load_module_strict=True): missing keys {missing}, unexpected keys {unexpected}")

@@ -1,19 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""From per-rank ZeRO partitions to full tensors by parameter name, and back to any layout.
+"""From per-rank ZeRO 1/2 partitions to full tensors by parameter name: the stage-independent ``FullState``.
 
 A ZeRO 1/2 optimizer file holds one data-parallel rank's partition of a
 :class:`~deepspeed.runtime.zero.partition_layout.PartitionedLayout`: for each param
 group, the concatenation of the rank's chunk of each of the group's buckets. With the
-layout described in the file (:func:`describe_layout`: the world size, every
-parameter's name, shape, group and offset in the full space, every bucket's start,
-size, padding, chunk and offset in the partition), the files of all ranks give back
+layout described in the file (written by the stage,
+``deepspeed/runtime/zero/checkpoint_partitioned.py``: the world size, every parameter's
+name, shape, group and offset in the full space, every bucket's start, size, padding,
+chunk and offset in the partition), the files of all ranks give back
 the full space, and so every parameter's fp32 value and every optimizer state tensor
 shaped like the flat partition (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``...).
 
 :class:`FullState` is that stage-independent form, keyed by parameter name. It is what
-resharding goes through (W ranks to W', stage 1 to 2, stage 0 to 1/2 and back), and
-what ``zero_to_fp32`` reads. Building it needs the full state in memory on the rank
-that builds it; a load into the same layout it was saved from does not build it.
+resharding goes through (W ranks to W', any stage to any other), and what
+``zero_to_fp32`` reads; each stage cuts it into its own layout
+(``StageCheckpoint.prepare_import``). Building it needs the full state in memory on the
+rank that builds it; a load into the same layout it was saved from does not build it.
 """
 
 from dataclasses import dataclass, field
@@ -40,25 +42,6 @@ class FullState:
     state: dict = field(default_factory=dict)
     groups: list = field(default_factory=list)
     group_names: list = field(default_factory=list)
-
-
-def describe_layout(layout, name_of):
-    """The metadata of ``layout`` that resharding needs (plain Python types, rank included)."""
-    params = []
-    for param in layout.params:
-        slot = layout.slots[param]
-        params.append(
-            dict(name=name_of[param], shape=list(slot.shape), group=slot.group, offset=slot.offset, numel=slot.numel))
-    buckets = [
-        dict(group=b.group, start=b.start, numel=b.numel, padded=b.padded, chunk=b.chunk, part_offset=b.part_offset)
-        for b in layout.buckets
-    ]
-    return dict(world_size=layout.world_size,
-                rank=layout.rank,
-                numel=layout.numel,
-                group_part_numel=list(layout.group_part_numel),
-                params=params,
-                buckets=buckets)
 
 
 def same_layout(a, b):
@@ -170,17 +153,6 @@ def full_state_from_partitions(payloads, names, with_state=True):
         del full
     result.state = {name: st for name, st in per_name.items() if st}
     return result
-
-
-def fill_partition(layout, params, values, out):
-    """Write into ``out`` (one group's partition on this rank) this rank's pieces of ``values[param]``."""
-    for param in params:
-        owned = layout.owned_ranges(param)
-        if owned is None:
-            continue
-        start, length, offset = owned
-        src = values[param].reshape(-1).narrow(0, start, length)
-        out.narrow(0, offset, length).copy_(src)
 
 
 def merge_group_scalars(state_of_params, group, describe):

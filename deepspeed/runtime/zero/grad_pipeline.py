@@ -15,7 +15,9 @@ every one of its parameters delivered a contribution; its pending gradients are 
 copied into its staging in one pass (``grad_ops``), so the Python work per gradient is a
 dictionary insert and a counter. Pending gradients are also copied in when they exceed
 ``flush_numel`` elements, so a bucket that never completes (a parameter unused in this
-backward) holds a bounded amount of memory.
+backward) holds a bounded amount of memory. A *held* bucket (:meth:`GradPipeline.hold`, a
+ZeRO-3 leaf module's) completes only when its holder calls :meth:`GradPipeline.release_hold`,
+at one point of the backward on every rank, whichever of its parameters delivered.
 
 Passes. A backward that reduces (the stage's policy says when: stages 0 and 1 at the
 accumulation boundary, stages 2 and 3 in every backward, neither while reduction is
@@ -93,6 +95,13 @@ class GradBucket:
     pending: dict = field(default_factory=dict)  # slot -> gradient not yet copied in
     pending_numel: int = 0
     staging: Optional[torch.Tensor] = None  # per-bucket staging, for geometries that allocate it on demand
+    held: bool = False  # completes only on release_hold (or at the epilogue), never on its contributions alone
+    hold_serial: int = -1  # the backward serial whose hold was released
+
+    @property
+    def expected(self):
+        """Readiness that completes the bucket in one backward: every parameter, and the hold if it has one."""
+        return len(self.slots) + (1 if self.held else 0)
 
 
 class _Pass:
@@ -191,7 +200,7 @@ class GradPipeline:
             bucket.pending_numel += slot.numel
             bucket.state = BucketState.FILLING
             bucket.ready += 1
-            if bucket.ready == len(bucket.slots):
+            if bucket.ready == bucket.expected:
                 self._complete(bucket)
             elif bucket.pending_numel >= self._flush_numel:
                 self._flush(bucket)
@@ -247,6 +256,37 @@ class GradPipeline:
             if self._on_backward_end is not None:
                 self._on_backward_end(False)
 
+    # ----------------------------------------------------------------- holds
+    def hold(self, index):
+        """Bucket ``index`` completes in a backward only when :meth:`release_hold` says so (or at the epilogue).
+
+        For a bucket whose parameters deliver a data-dependent subset of gradients (a ZeRO-3
+        leaf module routing to experts): counting contributions alone would complete it on
+        some ranks and not on others, and their collectives would no longer be issued in the
+        same order.
+        """
+        self.buckets[index].held = True
+
+    def release_hold(self, index):
+        """The holder of bucket ``index`` is done with the running backward: the bucket completes now.
+
+        Its parameters that delivered nothing in this backward count as delivered (their share
+        is zero; a gradient arriving later is added to the bucket as a repeat). Called at the
+        same point of the backward on every rank. No-op outside a backward of this engine and
+        after the first call in one backward.
+        """
+        bucket = self.buckets[index]
+        if self.phase is not Phase.BACKWARD or not bucket.held or bucket.hold_serial == self._serial:
+            return
+        bucket.hold_serial = self._serial
+        for slot in bucket.slots:
+            if slot.serial != self._serial:
+                slot.serial = self._serial
+                bucket.ready += 1
+        bucket.ready += 1
+        if bucket.ready == bucket.expected:
+            self._complete(bucket)
+
     # --------------------------------------------------------------- buckets
     def _complete(self, bucket):
         self._flush(bucket)
@@ -280,7 +320,7 @@ class GradPipeline:
     # ------------------------------------------------------------- reduction
     def _launch_ready(self, run):
         buckets = self.buckets
-        while run.next < len(buckets) and buckets[run.next].ready == len(buckets[run.next].slots):
+        while run.next < len(buckets) and buckets[run.next].ready == buckets[run.next].expected:
             self._launch(buckets[run.next])
             run.next += 1
 

@@ -12,6 +12,16 @@ modules (tied weights) goes to the root unit. Small parameters
 (``numel <= stage3_param_persistence_threshold``) form one *persistent* unit that
 is gathered once and never released.
 
+Leaf modules (``deepspeed.utils.set_z3_leaf_modules``: a mixture-of-experts block). The
+whole subtree of a leaf is one unit rooted at the leaf, whatever its size, small
+parameters included (a parameter also registered outside the subtree stays in the root
+unit). Only the leaf gets hooks, none of the modules inside it: the unit is gathered at
+the leaf's forward, whichever experts its router picks, so every rank issues the same
+gathers. Its gradient bucket is *held* (``GradPipeline.hold``): it completes when the
+gradients of the leaf's inputs are complete, that is once the leaf's own backward is
+over, on every rank at the same point whichever experts a rank used (or at the end of
+the backward when no input needs a gradient); the unit is then released.
+
 Unit chunk layout: each parameter is padded to ``W * s`` elements (``s`` its shard
 size); the unit's rank-major buffer is ``W`` rows of ``C = sum(s)`` columns, row
 ``r`` holding every parameter's shard ``r``. Row ``r`` is exactly rank ``r``'s
@@ -44,6 +54,7 @@ from deepspeed.runtime.backward.ownership import tensors_in
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.transport import DEFAULT_TRANSPORT, wait
+from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
 
 class UnitState(enum.Enum):
@@ -76,6 +87,7 @@ class ParamUnit:
         self.state = UnitState.SHARDED
         self.fwd_refs = 0
         self.bwd_hold = False
+        self.leaf = None  # the leaf module whose whole subtree this unit is, if it is one
         self._gather = None  # (work, buffer) while GATHERING
         self._full = None  # the gathered storage, kept (resized to 0) across releases
         self._views = None
@@ -105,17 +117,26 @@ class UnitCoordinator:
         self._position = {}
         self._unsessioned_task = None  # a graph task with no session whose end releases its holds
         self._empties = {}
+        for unit in units:
+            if unit.leaf is not None:
+                pipeline.hold(unit.index)
         self._install_hooks()
 
     # ----------------------------------------------------------------- hooks
     def _install_hooks(self):
         unit_of_param = {p: u for u in self.units for p in u.params}
+        leaf_units = {u.leaf: u for u in self.units if u.leaf is not None}
+        inside_leaf = {sub for leaf in leaf_units for sub in leaf.modules() if sub is not leaf}
         for module in self.module.modules():
+            if module in inside_leaf:
+                continue  # a leaf's subtree runs inside the leaf's forward, which gathered it whole
             units = []
             for unit in self.units:
                 if unit.root is module and unit not in units:
                     units.append(unit)
-            own = list(module.parameters(recurse=False)) + list(getattr(module, "_ds_external_params", []))
+            subtree = list(module.modules()) if module in leaf_units else [module]
+            own = [p for sub in subtree for p in sub.parameters(recurse=False)]
+            own += [p for sub in subtree for p in getattr(sub, "_ds_external_params", [])]
             for param in own:
                 unit = unit_of_param.get(param)
                 if unit is not None and unit not in units:
@@ -125,6 +146,10 @@ class UnitCoordinator:
                 continue
             self._handles.append(module.register_forward_pre_hook(self._hook(self._pre_forward, units)))
             self._handles.append(module.register_forward_hook(self._hook(self._post_forward, units)))
+            if module in leaf_units:
+                self._handles.append(
+                    module.register_forward_pre_hook(self._hook(self._leaf_inputs, leaf_units[module]),
+                                                     with_kwargs=True))
 
     @staticmethod
     def _hook(method, units):
@@ -163,6 +188,37 @@ class UnitCoordinator:
                     self._trace.append(unit)
                 elif not self._tracing:
                     self._prefetch_after(unit, forward=True)
+
+    def _leaf_inputs(self, unit, module, args, kwargs):
+        # The leaf's backward is over once the gradient of every input that needs one is complete: a
+        # pre-hook on the input's grad_fn (the node that takes that gradient) fires then, after every
+        # module inside the leaf ran its backward, at the same point on every rank. The held bucket
+        # completes there (``GradPipeline.release_hold``), so the unit is reduced and released.
+        if not torch.is_grad_enabled():
+            return None
+        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if not inputs:
+            return None  # nothing marks the end of its backward: the epilogue completes the unit
+        remaining = {}  # graph task -> inputs whose gradient is not complete yet
+        on_tensors = []  # hooks on autograd leaf tensors outlive this graph: removed once they fired
+        pipeline, index, count = self.pipeline, unit.index, len(inputs)
+
+        def input_done(*_):
+            task = torch._C._current_graph_task_id()
+            left = remaining.get(task, count) - 1
+            remaining[task] = left
+            if left == 0:
+                pipeline.release_hold(index)
+                for handle in on_tensors:
+                    handle.remove()
+            return None
+
+        for tensor in inputs:
+            if tensor.grad_fn is not None:
+                tensor.grad_fn.register_prehook(input_done)
+            else:  # an autograd leaf tensor: its gradient is complete when its hook fires
+                on_tensors.append(tensor.register_hook(input_done))
+        return None
 
     def _post_forward(self, units, module, inputs, output):
         if torch._C._current_graph_task_id() < 0:
@@ -328,24 +384,60 @@ class UnitCoordinator:
                 self._launch_gather(candidate)
 
 
+def _leaf_params(module, wanted):
+    """``(leaves, leaf_of)``: the outermost leaf modules, and param -> the leaf whose unit takes it.
+
+    Every parameter of a leaf's subtree is marked ``ds_z3_leaf_module``; one also registered
+    outside that subtree (tied to a module elsewhere) is left out of ``leaf_of``.
+    """
+    leaves = []
+    inside = set()
+    for sub in module.modules():
+        if sub not in inside and z3_leaf_module(sub):
+            leaves.append(sub)
+            inside.update(sub.modules())
+    leaf_of = {}
+    for leaf in leaves:
+        for param in leaf.parameters():
+            param.ds_z3_leaf_module = leaf
+            if param in wanted:
+                leaf_of.setdefault(param, leaf)
+    subtree = {leaf: set(leaf.modules()) for leaf in leaves}
+    for sub in module.modules():
+        for param in sub.parameters(recurse=False):
+            leaf = leaf_of.get(param)
+            if leaf is not None and sub not in subtree[leaf]:
+                del leaf_of[param]
+    return leaves, leaf_of
+
+
 def build_units(module, params, unit_numel, persistence_threshold, world_size, group_of):
     """Choose the units of ``module`` for the partitioned ``params`` (see the module docstring)."""
     wanted = set(params)
+    leaves, leaf_of = _leaf_params(module, wanted)
+    leaf_roots = set(leaves)
     registered = {}
     for sub in module.modules():
         for param in sub.parameters(recurse=False):
             registered[param] = registered.get(param, 0) + 1
-    persistent = [p for p in params if p.ds_numel <= persistence_threshold]
+    persistent = [p for p in params if p.ds_numel <= persistence_threshold and p not in leaf_of]
     taken = set(persistent)
-    shared = [p for p in params if registered.get(p, 0) > 1 and p not in taken]
+    shared = [p for p in params if registered.get(p, 0) > 1 and p not in taken and p not in leaf_of]
     taken.update(shared)
-    groups = []  # (root module, params)
+    groups = []  # (root module, params, whether it is a leaf's subtree)
     seen = set()
 
     def visit(sub):
         if sub in seen:
             return []
         seen.add(sub)
+        if sub in leaf_roots:  # the whole subtree, whatever its size; nothing inside roots a unit
+            seen.update(sub.modules())
+            mine = [p for p in sub.parameters() if leaf_of.get(p) is sub and p not in taken]
+            taken.update(mine)
+            if mine:
+                groups.append((sub, mine, True))
+            return []
         pending = []
         for child in sub.children():
             pending += visit(child)
@@ -357,13 +449,13 @@ def build_units(module, params, unit_numel, persistence_threshold, world_size, g
         # transformer block); containers never run forward themselves, so they pass their rest up.
         if (sub is not module and pending and not isinstance(sub, (torch.nn.ModuleList, torch.nn.ModuleDict))
                 and sum(p.ds_numel for p in sub.parameters() if p in wanted) >= unit_numel):
-            groups.append((sub, pending))
+            groups.append((sub, pending, False))
             return []
         return pending
 
     rest = visit(module) + shared
     if rest:
-        groups.append((module, rest))
+        groups.append((module, rest, False))
     order = {p: i for i, p in enumerate(module.parameters())}
     # Fixed unit order, the same on every rank: reverse registration (about backward order).
     groups.sort(key=lambda g: min(order.get(p, 0) for p in g[1]), reverse=True)
@@ -372,7 +464,11 @@ def build_units(module, params, unit_numel, persistence_threshold, world_size, g
     def by_group(p):
         return (group_of[p], order.get(p, 0))
 
-    units = [ParamUnit(i, root, sorted(ps, key=by_group), world_size) for i, (root, ps) in enumerate(groups)]
+    units = []
+    for i, (root, ps, is_leaf) in enumerate(groups):
+        unit = ParamUnit(i, root, sorted(ps, key=by_group), world_size)
+        unit.leaf = root if is_leaf else None
+        units.append(unit)
     if persistent:
         unit = ParamUnit(len(units), module, sorted(persistent, key=by_group), world_size, persistent=True)
         for param in persistent:

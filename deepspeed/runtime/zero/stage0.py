@@ -18,6 +18,7 @@ buffer; the masters are copied back into the model after the step.
 import torch
 
 from deepspeed.runtime.precision.master_params import MasterParams
+from deepspeed.runtime.zero.checkpoint_stage0 import Stage0Checkpoint
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import ReplicatedGeometry
 from deepspeed.runtime.zero.stage_base import ZeroStage, fp32_grads, trainable_groups
@@ -96,6 +97,9 @@ class Stage0(ZeroStage):
     def release(self):
         self.unpublish_grads()
         super().release()
+
+    def checkpoint(self):
+        return Stage0Checkpoint(self)
 
     # ------------------------------------------------------------- accessors
     def full_grad(self, param):

@@ -26,6 +26,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.checkpoint_stage3 import Stage3Checkpoint
 from deepspeed.runtime.zero.parameter_units import UnitCoordinator, build_units
 from deepspeed.runtime.zero.partition_layout import UnitPartitionLayout
 from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zero_param, partition_param,
@@ -169,6 +170,9 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def release(self):
         self.coordinator.remove_hooks()
         super().release()
+
+    def checkpoint(self):
+        return Stage3Checkpoint(self)
 
     # ------------------------------------------------------------- accessors
     def _shard_of(self, buffer, param):

@@ -25,6 +25,7 @@ bucket by bucket.
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.zero.checkpoint_partitioned import PartitionedCheckpoint
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
 from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
 from deepspeed.runtime.zero.profiling import ds_range
@@ -112,6 +113,9 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                     works.append(dist.all_gather_into_tensor(out, send, group=self.group, async_op=True))
             for work in works:
                 work.wait()
+
+    def checkpoint(self):
+        return PartitionedCheckpoint(self)
 
     # ------------------------------------------------------------- accessors
     def _gather(self, part_buffer, param):

@@ -179,6 +179,11 @@ class ZeroStage:
     def release(self):
         self.pipeline.release()
 
+    def checkpoint(self):
+        """This stage's checkpoint export and import: a
+        :class:`~deepspeed.runtime.checkpoint.stage_checkpoint.StageCheckpoint` (what the checkpoint code calls)."""
+        raise NotImplementedError(f"{type(self).__name__} has no checkpoint support")
+
     # ------------------------------------------------------------- accessors
     def params_modified(self, param):
         """``param``'s stored value was rewritten outside the engine (ZeRO-3 ``GatheredParameters``)."""

@@ -141,6 +141,48 @@ def differences(expected, actual):
     return bad
 
 
+# What upstream's load_checkpoint consumes from the model-states file it reads, by argument: the module always;
+# the counters and world sizes unless only the module is loaded; the scheduler and the optimizer when it loads them.
+UPSTREAM_CONSUMED = ("sparse_tensor_module_names", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size",
+                     "data_sampler", "random_ltd")
+
+
+def upstream_client_state(path,
+                          stage,
+                          load_optimizer_states=True,
+                          load_lr_scheduler_states=True,
+                          load_module_only=False,
+                          has_optimizer=True):
+    """The client state upstream's load_checkpoint returns for the model-states file ``path``.
+
+    Every entry it does not consume; an engine without ZeRO partitions (stage 0, with an
+    optimizer) that loaded optimizer states also gets the file's ``optimizer`` entry back.
+    """
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    consumed = {"module"}
+    if not load_module_only:
+        consumed.update(UPSTREAM_CONSUMED)
+    if load_lr_scheduler_states:
+        consumed.add("lr_scheduler")
+    if load_optimizer_states:
+        consumed.add("optimizer")
+    expected = {key: value for key, value in saved.items() if key not in consumed}
+    if stage == 0 and has_optimizer and load_optimizer_states and not load_module_only:
+        expected["optimizer"] = saved["optimizer"]
+    return expected
+
+
+def same_content(a, b):
+    """Deep equality of checkpoint entries (tensors bitwise, dicts by keys and order-free)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return set(a) == set(b) and all(same_content(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_content(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def resume_worker(tmp, stage, dtype, gas, offload=False):
     import deepspeed.comm as dist
     attach_checkpointing()
@@ -166,7 +208,8 @@ def resume_worker(tmp, stage, dtype, gas, offload=False):
     path, client_state = resumed.load_checkpoint(tmp)
     assert all(a is b for a, b in zip(groups, resumed.optimizer.param_groups)), "param-group dicts were replaced"
     assert path == os.path.join(tmp, "global_step3", "mp_rank_00_model_states.pt"), path
-    assert client_state == {"epoch": 3, "note": "resume"}, client_state
+    assert client_state["epoch"] == 3 and client_state["note"] == "resume", client_state
+    assert same_content(client_state, upstream_client_state(path, stage)), sorted(client_state)
     train(resumed, 3, 3, rank, inf_step)
     actual = snapshot(resumed)
     resumed.destroy()

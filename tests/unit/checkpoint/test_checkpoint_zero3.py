@@ -56,7 +56,8 @@ def resume_worker(tmp, dtype, gas, small_units):
     resumed = common.build_engine(cfg, seed=1, **model)
     path, client_state = resumed.load_checkpoint(tmp)
     assert path == os.path.join(tmp, "global_step3", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"), path
-    assert client_state == {"epoch": 3}, client_state
+    assert client_state["epoch"] == 3, client_state
+    assert common.same_content(client_state, common.upstream_client_state(path, 3)), sorted(client_state)
     common.train(resumed, 3, 3, rank, inf_step)
     actual = common.snapshot(resumed)
     resumed.destroy()

@@ -55,6 +55,53 @@ class ToyNet(nn.Module):
         return self.head(h)
 
 
+class TinyMoE(nn.Module):
+    """A mixture of experts: each token goes to the expert its gate scores highest (top-1 routing).
+
+    Which experts run depends on the data, so in one step an expert may run on one rank
+    and not on another; an expert no token picked does not run and gets no gradient.
+    ``last_used`` records the experts of the last forward (for tests).
+    """
+
+    def __init__(self, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(DIM, experts, bias=False)
+        # each expert large enough to root a unit of its own with small units (stage3_prefetch_bucket_size 100)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.Tanh(), nn.Linear(2 * DIM, DIM)) for _ in range(experts))
+        self.last_used = []
+
+    def forward(self, h):
+        flat = h.reshape(-1, DIM)
+        logits = self.gate(flat)
+        weights = torch.softmax(logits.float(), dim=-1).to(flat.dtype)
+        choice = logits.argmax(dim=-1)
+        out = torch.zeros_like(flat)
+        self.last_used = []
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero(as_tuple=True)[0]
+            if rows.numel() == 0:
+                continue
+            self.last_used.append(e)
+            out = out.index_add(0, rows, expert(flat[rows]) * weights[rows, e:e + 1])
+        return out.view_as(h)
+
+
+class MoENet(nn.Module):
+    """Embedding -> block -> mixture of experts (residual) -> head; the experts block is a ZeRO-3 leaf module."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.block = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+        self.moe = TinyMoE()
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens, **_):
+        h = self.block(self.emb(tokens))
+        return self.head(h + self.moe(h))
+
+
 class Head(nn.Module):
     """A second model that consumes ToyNet features (two engines in one graph)."""
 

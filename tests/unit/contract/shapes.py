@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tests.unit.contract.models import Head, ToyNet, lm_loss
+from tests.unit.contract.models import Head, MoENet, TinyMoE, ToyNet, lm_loss
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,11 @@ def build_model(kind):
         return ToyNet(empty=True)
     if kind == "head":
         return Head()
+    if kind == "moe":
+        from deepspeed.utils import set_z3_leaf_modules
+        model = MoENet()
+        set_z3_leaf_modules(model, [TinyMoE])  # one unit, gathered whole: experts run data-dependently
+        return model
     raise ValueError(kind)
 
 
@@ -181,6 +186,7 @@ SHAPES = {
         Shape("ckpt_non_reentrant", ckpt_non_reentrant),
         Shape("ckpt_early_stop", ckpt_early_stop),
         Shape("tied_weights", plain, models=("tied", )),
+        Shape("moe_leaf", plain, models=("moe", )),
         Shape("zero_sized_param", plain, models=("empty", )),
         Shape("non_scalar", non_scalar),
         Shape("scale_backward", scale_backward),

@@ -7,7 +7,10 @@ checks that every non-persistent parameter was released again.
 
 * every shape x dtype x GAS 1, 4 at world 2;
 * core shapes at worlds 1 and 3, with the model built inside ``zero.Init`` and
-  outside, with persistent small parameters, with optimizer and parameter offload.
+  outside, with persistent small parameters, with optimizer and parameter offload;
+* a leaf module (``moe_leaf``: a mixture of experts whose router picks experts per token,
+  so that an expert runs on one rank and not on another) at worlds 1 and 2, with small
+  units, persistent small parameters and offload.
 
 Excluded shapes: ``no_sync`` (rejected on stage 3, as upstream) and ``unused_param``
 (a module run on one rank only): ZeRO-3 gathers a module's parameters with a
@@ -57,6 +60,10 @@ def _cells():
     for variant, shape, dtype, world in itertools.product(VARIANTS, SHAPES3 if FULL else CORE, ["fp32", "bf16"],
                                                           [1, 2, 3] if FULL else [1, 3]):
         cells.append((variant, dict(stage=3, shape=shape, dtype=dtype, gas=2), world))
+    # A ZeRO-3 leaf module (a mixture of experts routing data-dependently: some experts run on one rank and not on
+    # another) at worlds 1 and 2, with small units, persistent small parameters and offload.
+    for variant, dtype, world in itertools.product(["units", "persist", "offload"], ["fp32", "bf16"], [1, 2]):
+        cells.append((variant, dict(stage=3, shape="moe_leaf", dtype=dtype, gas=2), world))
     return cells
 
 
