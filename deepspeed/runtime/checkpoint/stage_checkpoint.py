@@ -31,6 +31,13 @@ Loading, in two steps so that every error is found before any rank changes state
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+from deepspeed.runtime.checkpoint.optimizer_state import (check_full_state, flat_group_state, inner_state_dict,
+                                                          load_inner)
+from deepspeed.runtime.checkpoint.reshard import FullState
+from deepspeed.runtime.checkpoint.validate import CheckpointError
+
 
 @dataclass(frozen=True)
 class SaveContext:
@@ -112,6 +119,93 @@ class StageCheckpoint:
     def full_16bit_value(self, param):
         """Collective: the whole value of ``param`` in the model's dtype, a fresh CPU tensor (ZeRO-3 only)."""
         raise NotImplementedError("the parameters of this stage are not partitioned; read them from the module")
+
+
+class FlatMastersCheckpoint(StageCheckpoint):
+    """Shared import of stages whose fp32 masters are one flat partition per param group (stages 1-3).
+
+    Built on the stage (its ``masters``, ``layout`` with per-parameter group ``slots``, and inner ``optimizer``).
+    A subclass gives ``parts_key`` (the optimizer
+    file's entry of the fp32 master partitions), ``_write(param, value, out)`` (this rank's piece of ``param``'s
+    full ``value`` into a group partition ``out``), ``_full_shape(param)`` and ``_refresh()`` (after the masters
+    changed: put them into the model's parameters; a collective); ``_restore_extra(saved)`` may restore more of
+    its own saved file.
+    """
+
+    parts_key = None
+
+    def __init__(self, stage):
+        self.stage = stage
+        self.layout = stage.layout
+        self.inner = stage.optimizer
+
+    def param_groups(self):
+        layout = self.layout
+        return [[p for p in layout.params if layout.slots[p].group == g] for g in range(layout.num_groups)]
+
+    def _restore_extra(self, saved):
+        """What else of this rank's own saved file an ``apply()`` restores (before the refresh)."""
+
+    def _prepare_own(self, saved, load_optimizer_states, describe):
+        """Copy this rank's own saved partitions (same layout); returns ``apply()``."""
+        stage = self.stage
+        parts = saved[self.parts_key]
+        if len(parts) != len(stage.masters):
+            raise CheckpointError(f"{describe}: {len(parts)} fp32 partitions, this engine has {len(stage.masters)}")
+        for g, (part, master) in enumerate(zip(parts, stage.masters)):
+            if part.numel() != master.numel():
+                raise CheckpointError(f"{describe}: the fp32 partition of param group {g} has {part.numel()} "
+                                      f"elements, this rank's has {master.numel()}")
+        inner_sd = saved["base_optimizer_state"]
+        if load_optimizer_states and len(inner_sd["param_groups"]) != len(self.inner.param_groups):
+            raise CheckpointError(f"{describe}: {len(inner_sd['param_groups'])} optimizer param groups, this engine's "
+                                  f"optimizer has {len(self.inner.param_groups)}")
+
+        @torch.no_grad()
+        def apply():
+            for part, master in zip(parts, stage.masters):
+                master.data.copy_(part)
+            self._restore_extra(saved)
+            if load_optimizer_states:
+                load_inner(self.inner, inner_sd)
+            self._refresh()
+
+        return apply
+
+    def prepare_import(self, source, load_optimizer_states, name_of, describe):
+        if isinstance(source, OwnPartition):
+            return self._prepare_own(source.saved, load_optimizer_states, source.path)
+        if not isinstance(source, FullState):
+            raise CheckpointError(f"{describe}: not a checkpoint source ({type(source).__name__})")
+        return self._prepare_full(source, load_optimizer_states, name_of, describe)
+
+    def _prepare_full(self, full, load_optimizer_states, name_of, describe):
+        """Cut ``full`` (a ``FullState`` matched by name) into this rank's partitions; returns ``apply()``."""
+        stage = self.stage
+        groups = self.param_groups()
+        check_full_state(full, groups, name_of, self.inner, load_optimizer_states, describe)
+        masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in stage.masters]
+        for g, params in enumerate(groups):
+            for param in params:
+                self._write(param, full.fp32[name_of[param]], masters[g])
+        sd = None
+        if load_optimizer_states:
+
+            def group_state(g):
+                return flat_group_state(groups[g], [self._full_shape(p) for p in groups[g]], full, name_of, g,
+                                        stage.masters[g].numel(), describe, self._write)
+
+            sd = inner_state_dict(self.inner, full, group_state)
+
+        @torch.no_grad()
+        def apply():
+            for part, master in zip(masters, stage.masters):
+                master.data.copy_(part)
+            if sd is not None:
+                load_inner(self.inner, sd)
+            self._refresh()
+
+        return apply
 
 
 class ModuleOnly(StageCheckpoint):

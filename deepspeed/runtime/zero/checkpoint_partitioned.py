@@ -16,11 +16,8 @@ masters into the model's parameters, so every rank calls ``apply()``.
 import torch
 
 from deepspeed.runtime.checkpoint import paths
-from deepspeed.runtime.checkpoint.optimizer_state import (check_full_state, flat_group_state, inner_state_dict,
-                                                          load_inner)
-from deepspeed.runtime.checkpoint.reshard import LAYOUT_KEY, FullState, same_layout
-from deepspeed.runtime.checkpoint.stage_checkpoint import OwnPartition, StageCheckpoint
-from deepspeed.runtime.checkpoint.validate import CheckpointError
+from deepspeed.runtime.checkpoint.reshard import LAYOUT_KEY, same_layout
+from deepspeed.runtime.checkpoint.stage_checkpoint import FlatMastersCheckpoint
 
 
 def describe_layout(layout, name_of):
@@ -56,17 +53,10 @@ def write_owned(layout, param, value, out):
         out.narrow(0, offset, length).copy_(value.reshape(-1).narrow(0, start, length))
 
 
-class PartitionedCheckpoint(StageCheckpoint):
+class PartitionedCheckpoint(FlatMastersCheckpoint):
     """Checkpoint export and import of a :class:`~deepspeed.runtime.zero.stage_1_and_2.PartitionedStage`."""
 
-    def __init__(self, stage):
-        self.stage = stage
-        self.layout = stage.layout
-        self.inner = stage.optimizer
-
-    def param_groups(self):
-        layout = self.layout
-        return [[p for p in layout.params if layout.slots[p].group == g] for g in range(layout.num_groups)]
+    parts_key = "single_partition_of_fp32_groups"
 
     # ---------------------------------------------------------------- export
     def checkpoint_files(self, save):
@@ -93,64 +83,15 @@ class PartitionedCheckpoint(StageCheckpoint):
     def fits(self, saved, name_of):
         return LAYOUT_KEY in saved and same_layout(saved[LAYOUT_KEY], describe_layout(self.layout, name_of))
 
-    def prepare_import(self, source, load_optimizer_states, name_of, describe):
-        if isinstance(source, OwnPartition):
-            return self._prepare_own(source.saved, load_optimizer_states, source.path)
-        if not isinstance(source, FullState):
-            raise CheckpointError(f"{describe}: not a checkpoint source ({type(source).__name__})")
-        return self._prepare_full(source, load_optimizer_states, name_of, describe)
+    def _write(self, param, value, out):
+        write_owned(self.layout, param, value, out)
 
-    def _prepare_own(self, saved, load_optimizer_states, describe):
-        stage = self.stage
-        parts = saved["single_partition_of_fp32_groups"]
-        for g, (part, master) in enumerate(zip(parts, stage.masters)):
-            if part.numel() != master.numel():
-                raise CheckpointError(f"{describe}: the fp32 partition of param group {g} has {part.numel()} "
-                                      f"elements, this rank's has {master.numel()}")
-        inner_sd = saved["base_optimizer_state"]
-        if load_optimizer_states and len(inner_sd["param_groups"]) != len(self.inner.param_groups):
-            raise CheckpointError(f"{describe}: {len(inner_sd['param_groups'])} optimizer param groups, this engine's "
-                                  f"optimizer has {len(self.inner.param_groups)}")
+    @staticmethod
+    def _full_shape(param):
+        return param.shape
 
-        @torch.no_grad()
-        def apply():
-            for part, master in zip(parts, stage.masters):
-                master.data.copy_(part)
-            if load_optimizer_states:
-                load_inner(self.inner, inner_sd)
-            stage.all_gather_params()
-
-        return apply
-
-    def _prepare_full(self, full, load_optimizer_states, name_of, describe):
-        stage = self.stage
-        layout = self.layout
-        groups = self.param_groups()
-        check_full_state(full, groups, name_of, self.inner, load_optimizer_states, describe)
-        masters = []
-        for g, master in enumerate(stage.masters):
-            part = torch.zeros(master.numel(), dtype=torch.float32)
-            fill_partition(layout, groups[g], {p: full.fp32[name_of[p]] for p in groups[g]}, part)
-            masters.append(part)
-        sd = None
-        if load_optimizer_states:
-
-            def group_state(g):
-                return flat_group_state(groups[g], [p.shape for p in groups[g]], full, name_of, g,
-                                        stage.masters[g].numel(), describe,
-                                        lambda param, value, out: write_owned(layout, param, value, out))
-
-            sd = inner_state_dict(self.inner, full, group_state)
-
-        @torch.no_grad()
-        def apply():
-            for part, master in zip(masters, stage.masters):
-                master.data.copy_(part)
-            if sd is not None:
-                load_inner(self.inner, sd)
-            stage.all_gather_params()
-
-        return apply
+    def _refresh(self):
+        self.stage.all_gather_params()
 
     @torch.no_grad()
     def refresh_from_model(self):

@@ -22,12 +22,8 @@ import torch
 
 from deepspeed.runtime.checkpoint import paths
 from deepspeed.runtime.checkpoint.model_state import buffer_names, persistent_buffers
-from deepspeed.runtime.checkpoint.optimizer_state import (check_full_state, flat_group_state, inner_state_dict,
-                                                          load_inner)
-from deepspeed.runtime.checkpoint.reshard import FullState
 from deepspeed.runtime.checkpoint.stage3_state import LAYOUT3_KEY, same_zero3_layout
-from deepspeed.runtime.checkpoint.stage_checkpoint import OwnPartition, StageCheckpoint
-from deepspeed.runtime.checkpoint.validate import CheckpointError
+from deepspeed.runtime.checkpoint.stage_checkpoint import FlatMastersCheckpoint
 from deepspeed.runtime.zero.partition_parameters import write_shard_from_full
 
 
@@ -63,17 +59,10 @@ def write_shard(layout, param, value, out):
         target[:take].copy_(value.reshape(-1)[start:start + take].to(out.dtype))
 
 
-class Stage3Checkpoint(StageCheckpoint):
+class Stage3Checkpoint(FlatMastersCheckpoint):
     """Checkpoint export and import of a :class:`~deepspeed.runtime.zero.stage3.Stage3`."""
 
-    def __init__(self, stage):
-        self.stage = stage
-        self.layout = stage.layout
-        self.inner = stage.optimizer
-
-    def param_groups(self):
-        layout = self.layout
-        return [[p for p in layout.params if layout.slots[p].group == g] for g in range(layout.num_groups)]
+    parts_key = "fp32_flat_groups"
 
     def _frozen_part(self):
         return self.stage.sources[len(self.stage.masters)]
@@ -116,64 +105,20 @@ class Stage3Checkpoint(StageCheckpoint):
         return LAYOUT3_KEY in saved and same_zero3_layout(saved[LAYOUT3_KEY], describe_zero3_layout(
             self.stage, name_of))
 
-    def prepare_import(self, source, load_optimizer_states, name_of, describe):
-        if isinstance(source, OwnPartition):
-            return self._prepare_own(source.saved, load_optimizer_states, source.path)
-        if not isinstance(source, FullState):
-            raise CheckpointError(f"{describe}: not a checkpoint source ({type(source).__name__})")
-        return self._prepare_full(source, load_optimizer_states, name_of, describe)
-
-    def _prepare_own(self, saved, load_optimizer_states, describe):
-        stage = self.stage
-        parts = saved["fp32_flat_groups"]
-        if len(parts) != len(stage.masters):
-            raise CheckpointError(f"{describe}: {len(parts)} fp32 partitions, this engine has {len(stage.masters)}")
-        inner_sd = saved["base_optimizer_state"]
-        if load_optimizer_states and len(inner_sd["param_groups"]) != len(self.inner.param_groups):
-            raise CheckpointError(f"{describe}: {len(inner_sd['param_groups'])} optimizer param groups, this engine's "
-                                  f"optimizer has {len(self.inner.param_groups)}")
+    def _restore_extra(self, saved):
         frozen = saved.get("frozen_16bit_shards")
+        if frozen is not None:
+            self._frozen_part().copy_(frozen)
 
-        @torch.no_grad()
-        def apply():
-            for part, master in zip(parts, stage.masters):
-                master.data.copy_(part)
-            if frozen is not None:
-                self._frozen_part().copy_(frozen)
-            if load_optimizer_states:
-                load_inner(self.inner, inner_sd)
-            stage.refresh_16bit()
+    def _write(self, param, value, out):
+        write_shard(self.layout, param, value, out)
 
-        return apply
+    @staticmethod
+    def _full_shape(param):
+        return param.ds_shape
 
-    def _prepare_full(self, full, load_optimizer_states, name_of, describe):
-        stage = self.stage
-        layout = self.layout
-        groups = self.param_groups()
-        check_full_state(full, groups, name_of, self.inner, load_optimizer_states, describe)
-        masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in stage.masters]
-        for g, params in enumerate(groups):
-            for param in params:
-                write_shard(layout, param, full.fp32[name_of[param]], masters[g])
-        sd = None
-        if load_optimizer_states:
-
-            def group_state(g):
-                return flat_group_state(groups[g], [p.ds_shape for p in groups[g]], full, name_of, g,
-                                        stage.masters[g].numel(), describe,
-                                        lambda param, value, out: write_shard(layout, param, value, out))
-
-            sd = inner_state_dict(self.inner, full, group_state)
-
-        @torch.no_grad()
-        def apply():
-            for part, master in zip(masters, stage.masters):
-                master.data.copy_(part)
-            if sd is not None:
-                load_inner(self.inner, sd)
-            stage.refresh_16bit()
-
-        return apply
+    def _refresh(self):
+        self.stage.refresh_16bit()
 
     @torch.no_grad()
     def import_module(self, module, values, strict):
