@@ -86,7 +86,8 @@ class UnitCoordinator:
 
     ``pipeline`` is the engine's gradient pipeline: a backward that reaches one of these
     modules joins it (so its epilogue releases what that backward gathered).
-    ``send_chunk(unit)`` returns this rank's row of ``unit`` in the model dtype, on the device.
+    ``send_chunk(unit)`` returns ``(row, ready)``: this rank's row of ``unit`` in the model dtype, on the
+    device, once ``ready`` (a :class:`~deepspeed.runtime.zero.transfers.Transfer`) completed.
     """
 
     def __init__(self, module, units, send_chunk_fn, pipeline, group, device, transport=None):
@@ -246,12 +247,13 @@ class UnitCoordinator:
 
     # ---------------------------------------------------------------- gather
     def _launch_gather(self, unit):
-        send = self._send_chunk(unit)
+        send, ready = self._send_chunk(unit)
         if self.world_size == 1:
-            unit._gather = (None, send)
+            unit._gather = (ready, send)  # waiting on the copy orders the compute stream after it
         else:
             buffer = torch.empty(self.world_size * unit.chunk, dtype=send.dtype, device=self.device)
-            unit._gather = (self.transport.all_gather(buffer, send, self.group), buffer)
+            with ready.ordered():  # the all-gather reads ``send`` after its copy; the compute stream does not wait
+                unit._gather = (self.transport.all_gather(buffer, send, self.group), buffer)
         unit.state = UnitState.GATHERING
         for param in unit.params:
             param.ds_status = ZeroParamStatus.INFLIGHT

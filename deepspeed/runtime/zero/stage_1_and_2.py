@@ -25,6 +25,7 @@ bucket by bucket.
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
 from deepspeed.runtime.zero.partitioned_step import master_partition, point_optimizer_at
 from deepspeed.runtime.zero.profiling import ds_range
@@ -69,7 +70,7 @@ class PartitionedStage(ZeroStage):
                                      group=group,
                                      comm_dtype=config.comm_dtype,
                                      accum_dtype=config.accum_dtype,
-                                     part_device=self.part_device,
+                                     part_device=self.part_device if config.offload_optimizer else None,
                                      pin_memory=config.pin_memory)
         self._build_pipeline(geometry,
                              reduce_in_every_backward=config.stage == 2,
@@ -82,16 +83,27 @@ class PartitionedStage(ZeroStage):
                     layout.bucket_part(master, bucket).copy_(layout.bucket_own_chunk_full(self.flat_params, bucket))
             self.masters.append(master_partition(master, geometry.grad_parts[g], config.pin_memory))
         point_optimizer_at(optimizer, self.masters, [bool(g) for g in groups])
+        self.host_step = None
+        if config.offload_optimizer:
+            self.host_step = HostStep(optimizer,
+                                      self.masters,
+                                      model_dtype,
+                                      self.device,
+                                      pin_memory=config.pin_memory,
+                                      cores_perc=config.cpu_cores_perc)
 
     @property
     def grad_parts(self):
-        return self.geometry.grad_parts
+        return self.geometry.partitions()
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self):
         with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
             attached = self._attach_step_grads()
-            self.optimizer.step()
+            if self.host_step is not None:
+                self.host_step.step()
+            else:
+                self.optimizer.step()
             if attached:
                 for master in self.masters:
                     master.grad = None
@@ -109,6 +121,9 @@ class PartitionedStage(ZeroStage):
     @torch.no_grad()
     def all_gather_params(self):
         """Put every rank's updated master partition into the model's parameters (a collective)."""
+        if self.host_step is not None:
+            self.host_step.gather_into(self.layout, self.flat_params, self.group)
+            return
         layout = self.layout
         works = []
         with ds_range("DS::param_all_gather"):
