@@ -202,6 +202,9 @@ def export_partitioned(engine, name_of, save_id):
                  partition_count=stage.layout.world_size,
                  partition_layout=describe_layout(stage.layout, name_of),
                  ds_version=deepspeed.__version__)
+    extra = stage.extra_state()  # ZenFlow's window, selection and device part
+    if extra is not None:
+        state["stage_extra_state"] = extra
     state.update(export_scaler(engine))
     return dict(optimizer_state_dict=state, ds_config=engine.config, ds_version=deepspeed.__version__, save_id=save_id)
 
@@ -230,6 +233,7 @@ def prepare_partitioned_same_layout(engine, saved, load_optimizer_states, descri
         if load_optimizer_states:
             load_inner(engine.basic_optimizer, inner_sd)
         stage.all_gather_params()
+        stage.load_extra_state(saved.get("stage_extra_state") if load_optimizer_states else None)
 
     return apply
 
@@ -258,6 +262,7 @@ def prepare_partitioned_full(engine, full, load_optimizer_states, name_of, descr
         if sd is not None:
             load_inner(inner, sd)
         stage.all_gather_params()
+        stage.load_extra_state(None)  # another layout: ZenFlow starts a new selection and window
 
     return apply
 

@@ -89,6 +89,11 @@ class HostFolder:
             self._pieces[self._key(piece)] = piece
             self._largest = max(self._largest, piece.numel())
 
+    def clear_pieces(self):
+        """Forget every registered piece (the partitions are being replaced; settle first)."""
+        self._pieces = {}
+        self._written = set()
+
     def _ring(self, dtype):
         ring = self._rings.get(dtype)
         if ring is None:

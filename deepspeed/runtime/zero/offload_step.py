@@ -54,12 +54,21 @@ class HostStep:
     receive the masters after each step.
     """
 
-    def __init__(self, optimizer, masters, model_dtype, device, *, pin_memory, cores_perc, targets=None):
+    def __init__(self,
+                 optimizer,
+                 masters,
+                 model_dtype,
+                 device,
+                 *,
+                 pin_memory,
+                 cores_perc=0.8,
+                 threads=None,
+                 targets=None):
         self.optimizer = optimizer
         self.masters = masters
         self.model_dtype = model_dtype
         self.device = torch.device(device)
-        self.threads = cores_for(cores_perc)
+        self.threads = int(threads) if threads else cores_for(cores_perc)
         if targets is None:
             targets = [pinned_empty(m.numel(), model_dtype, pin_memory) for m in masters]
         self.targets = targets
@@ -68,8 +77,8 @@ class HostStep:
         self._reading = DONE  # the last copy that reads the targets
         self.fresh = False  # the targets hold the masters' current values
 
-    def _target_groups(self):
-        return [[self.targets[g]] if group["params"] else [] for g, group in enumerate(self.optimizer.param_groups)]
+    def _target_groups(self, optimizer):
+        return [[self.targets[g]] if group["params"] else [] for g, group in enumerate(optimizer.param_groups)]
 
     def wait_readers(self, extra=None):
         """Block until no asynchronous copy reads the targets (``extra``: another copy handle to wait for)."""
@@ -79,18 +88,21 @@ class HostStep:
             extra.synchronize()
 
     @torch.no_grad()
-    def step(self, before_write=None):
+    def step(self, before_write=None, optimizer=None, threads_n=None):
         """One step of the inner optimizer on the host masters; the targets then hold their 16-bit values.
 
         ``before_write`` (a handle with ``synchronize()``) is waited for before the targets are written:
-        copies from the targets that are not this object's own (ZeRO-3 parameter fetches).
+        copies from the targets that are not this object's own (ZeRO-3 parameter fetches). ``optimizer``
+        steps instead of the inner one (a snapshot of it: same parameters and state); ``threads_n`` is the
+        thread count of the calling thread for this step (default: ``self.threads``).
         """
+        optimizer = optimizer or self.optimizer
         self.wait_readers(before_write)
-        with ds_range("DS::host_step"), threads(self.threads):
+        with ds_range("DS::host_step"), threads(threads_n or self.threads):
             if self._fused_copy:
-                self.optimizer.step(fp16_param_groups=self._target_groups())
+                optimizer.step(fp16_param_groups=self._target_groups(optimizer))
             else:
-                self.optimizer.step()
+                optimizer.step()
                 self._cast_into_targets()
         self.fresh = True
 
@@ -118,6 +130,20 @@ class HostStep:
         self.fresh = False
         with ds_range("DS::upload"):
             last = self.transfers.copy_many([(dst, src) for dst, src in zip(dsts, self.targets) if dst is not None])
+        self._reading = last
+        last.wait_stream()
+
+    @torch.no_grad()
+    def upload_own(self, layout, flat_params):
+        """Copy this rank's chunk of every bucket into its place in the flat 16-bit parameters (no collective); the
+        compute stream waits for the copies."""
+        if not self.fresh:
+            self.refresh()
+        self.fresh = False
+        with ds_range("DS::upload"):
+            last = self.transfers.copy_many([(layout.bucket_own_chunk_full(flat_params, bucket),
+                                              layout.bucket_part(self.targets[bucket.group], bucket))
+                                             for bucket in layout.buckets])
         self._reading = last
         last.wait_stream()
 

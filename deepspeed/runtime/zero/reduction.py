@@ -258,6 +258,18 @@ class PartitionGeometry(_Geometry):
         self.settle()
         return self.grad_parts
 
+    def use_partitions(self, parts):
+        """From now on fold into ``parts`` (host tensors shaped like the partitions) instead: the caller keeps
+        reading the previous ones (ZenFlow's host worker does, while the next window fills these)."""
+        self.settle()
+        self.grad_parts = list(parts)
+        self._dest = [self.layout.bucket_part(self.grad_parts[spec.group], spec) for spec in self.layout.buckets]
+        if self.folder is not None:
+            self.folder.clear_pieces()
+            for bucket, dest in zip(self.buckets, self._dest):
+                if bucket.slots:
+                    self.folder.register(dest)
+
     def _persistent_region(self, index):
         spec = self.layout.buckets[index]
         return self._persistent.narrow(0, spec.start, spec.padded)

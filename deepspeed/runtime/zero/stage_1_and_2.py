@@ -25,6 +25,7 @@ bucket by bucket.
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
 from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
 from deepspeed.runtime.zero.partitioned_step import master_partition, point_optimizer_at
@@ -92,12 +93,18 @@ class PartitionedStage(ZeroStage):
                                       pin_memory=config.pin_memory,
                                       cores_perc=config.cpu_cores_perc)
 
+        self.zenflow = ZenFlowStep(self, config.zenflow) if config.zenflow is not None else None
+
     @property
     def grad_parts(self):
         return self.geometry.partitions()
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self):
+        if self.zenflow is not None:
+            with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
+                self.zenflow.step()
+            return
         with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
             attached = self._attach_step_grads()
             if self.host_step is not None:
@@ -117,6 +124,37 @@ class PartitionedStage(ZeroStage):
         for master, part in zip(self.masters, self.grad_parts):
             master.grad = part.to(torch.float32)
         return True
+
+    def scale_grads(self, coef):
+        if self.zenflow is not None:  # ZenFlow applies the coefficient to what each part reads
+            self.zenflow.set_clip(coef)
+        else:
+            super().scale_grads(coef)
+
+    def set_epoch_length(self, steps):
+        if self.zenflow is not None:
+            self.zenflow.set_steps_per_epoch(steps)
+
+    def extra_state(self):
+        """State beside the masters and the inner optimizer that a checkpoint keeps (ZenFlow's), or None."""
+        return self.zenflow.export_state() if self.zenflow is not None else None
+
+    def load_extra_state(self, state):
+        """Restore :meth:`extra_state` after the masters and the optimizer were loaded (collective); None: reset."""
+        if self.zenflow is not None:
+            if state is None:
+                self.zenflow.reset()
+            else:
+                self.zenflow.import_state(state)
+
+    def _masters_current(self):
+        if self.zenflow is not None:
+            self.zenflow.sync_masters()
+
+    def release(self):
+        if self.zenflow is not None:
+            self.zenflow.close()
+        super().release()
 
     @torch.no_grad()
     def all_gather_params(self):
@@ -183,15 +221,20 @@ class PartitionedStage(ZeroStage):
         return self._local(self.grad_parts[self._group(param)], param)
 
     def fp32_param(self, param):
+        self._masters_current()
         return self._gather(self.masters[self._group(param)].data, param)
 
     def local_fp32_param(self, param):
+        self._masters_current()
         return self._local(self.masters[self._group(param)].data, param)
 
     def set_fp32_param(self, param, value):
+        self._masters_current()
         with torch.no_grad():
             self._write(self.masters[self._group(param)].data, param, value)
             param.copy_(value)
+        if self.zenflow is not None:
+            self.zenflow.masters_changed()
 
     def optimizer_state(self, param, key):
         master = self.masters[self._group(param)]

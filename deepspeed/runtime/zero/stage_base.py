@@ -160,6 +160,16 @@ class ZeroStage:
     def release(self):
         self.pipeline.release()
 
+    def set_epoch_length(self, steps):
+        """The training data's epoch length in optimizer steps (ZenFlow's "epoch" selection strategy reads it)."""
+
+    def extra_state(self):
+        """State a checkpoint keeps beside the masters and the inner optimizer (ZenFlow's), or None."""
+        return None
+
+    def load_extra_state(self, state):
+        """Restore :meth:`extra_state` after the masters and optimizer were loaded (None: the checkpoint has none)."""
+
     # ------------------------------------------------------------- accessors
     def params_modified(self, param):
         """``param``'s stored value was rewritten outside the engine (ZeRO-3 ``GatheredParameters``)."""

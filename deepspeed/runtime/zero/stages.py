@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from deepspeed.runtime.zenflow.config import check_zenflow_stage
+
 
 @dataclass(frozen=True)
 class StageConfig:
@@ -47,6 +49,7 @@ class StageConfig:
         offload_param = _device_name(zero.offload_param_device) if stage == 3 else "none"
         if "nvme" in (offload_optimizer, offload_param):
             raise NotImplementedError("NVMe offload is not supported; see docs/compatibility.md")
+        check_zenflow_stage(zero.zenflow, stage, offload_optimizer)
         opt_section = zero.offload_optimizer if offload_optimizer == "cpu" else None
         param_section = zero.offload_param if offload_param == "cpu" else None
         return cls(stage=stage,
