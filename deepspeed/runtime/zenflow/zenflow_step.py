@@ -71,6 +71,7 @@ class ZenFlowStep:
         self.selection = RowSelection(self.layout, cfg.topk_ratio, stage.device, stage.group)
         self.device_part = DevicePart(stage.device, cfg.offload, pin_memory=pin)
         self.main_threads = cores_for(cfg.pt_reserved_cores_perc)
+        self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.main_threads)
         self.window = HostWindow(stage.host_step, threads=max(1, host_cores() - self.main_threads))
         parts = list(stage.geometry.grad_parts)
@@ -340,3 +341,4 @@ class ZenFlowStep:
 
     def close(self):
         self.window.close()
+        torch.set_num_threads(self._threads_before)

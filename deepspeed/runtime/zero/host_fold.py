@@ -44,15 +44,15 @@ from deepspeed.runtime.zero.transfers import DONE, HostTransfers, PinnedRing, is
 
 # Ring of pinned buffers for chunks that are added on the host: count, and elements per buffer (a cap;
 # smaller when no chunk is that large).
-RING_COUNT = 4
-RING_NUMEL = 1 << 24
-# Direct device-to-host copies in flight before the caller waits for the oldest.
-MAX_PENDING = 4
+RING_COUNT = 8
+RING_NUMEL = 1 << 23
+# Direct device-to-host copies in flight before the caller waits for the oldest (each keeps its device chunk).
+MAX_PENDING = 2
 
 
 def default_threads():
-    """Threads of the adding worker: most cores, leaving two to the thread that drives the device."""
-    return max(1, min(8, host_cores() - 2))
+    """Threads of the adding worker: every core but two, which stay with the thread that drives the device."""
+    return max(1, host_cores() - 2)
 
 
 class HostFolder:

@@ -148,6 +148,11 @@ class ZeroStage:
         for part in self.geometry.partitions():
             by_device.setdefault(part.device, []).append(part)
         for device, parts in by_device.items():
+            if device.type == "cpu":  # host partitions: the value is read anyway; a coefficient of 1 skips a pass
+                value = float(coef)
+                if value != 1.0:
+                    grad_ops.scale_(parts, value)
+                continue
             grad_ops.scale_(parts, coef.to(device) if torch.is_tensor(coef) else coef)
 
     def optimizer_step(self):
