@@ -4,11 +4,11 @@
 # then upstream DeepSpeed's ZeRO-2 and ZeRO-3 offload, on the reference model (GPT d_model 2048, 24 layers,
 # seq 2048, micro-batch 4, GAS 2, bf16, AdamW, clip 1.0), plus the GPU offload-path tests.
 #
-#   bash benchmarks/offload_bench.sh WHEELS_DIR OUT_DIR [STEPS] [WARMUP] [OURS_SYSTEMS] [UPSTREAM_SYSTEMS]
+#   bash benchmarks/offload_bench.sh WHEELS_DIR OUT_DIR [STEPS] [WARMUP] [OURS_SYSTEMS] [UPSTREAM_SYSTEMS] [UPSTREAM_STEPS]
 #
 # WHEELS_DIR holds upstream's wheels (../shared/tools/upstream-wheels.sh); OUT_DIR receives ours.md/.jsonl,
-# upstream.md/.jsonl, profiles.txt (top operators of one profiled step per system), log.txt and ds_ext.tgz
-# (upstream's JIT-built CPU Adam; give it back as DS_EXT_TGZ=... to skip the build next time).
+# upstream.md/.jsonl, profiles.txt (top operators of one profiled step per system) and log.txt. Upstream
+# JIT-builds its CPU Adam during its first system's set-up.
 set -u
 WHEELS=${1:?wheels dir}
 OUT=${2:?output dir}
@@ -16,26 +16,21 @@ STEPS=${3:-3}
 WARMUP=${4:-2}
 OURS=${5:-ds_zero2+offload,ds_zero3+offload,ds_zero2+zenflow}
 THEIRS=${6:-ds_zero2+offload,ds_zero3+offload}
-export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/ds_ext TORCH_CUDA_ARCH_LIST=9.0
+THEIR_STEPS=${7:-$STEPS}
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 mkdir -p "$OUT" /tmp/prof_ours /tmp/prof_upstream
 LOG="$OUT/log.txt"
 # shellcheck disable=SC2206  # BENCH_EXTRA: more train_bench options, split on spaces (a small model for a dry run)
-BENCH=(--warmup "$WARMUP" --steps "$STEPS" --idle-steps 1 ${BENCH_EXTRA:-})
+BENCH=(--warmup "$WARMUP" --idle-steps 1 ${BENCH_EXTRA:-})
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream "$WHEELS"/*.whl >>"$LOG" 2>&1
-if [ -n "${DS_EXT_TGZ:-}" ] && [ -f "$DS_EXT_TGZ" ]; then tar -xzf "$DS_EXT_TGZ" -C /tmp; fi
-( PYTHONPATH=/tmp/upstream python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
-    >/tmp/jit.log 2>&1; tar -czf "$OUT/ds_ext.tgz" -C /tmp ds_ext ) &
-JIT=$!
 echo "== gpu offload-path tests" >>"$LOG"
 timeout 80 python3 -m tests.gpu.test_offload_paths >>"$LOG" 2>&1
 tail -n 2 "$LOG"
 echo "== ours: $OURS" >>"$LOG"
-timeout 140 python3 benchmarks/train_bench.py --systems "$OURS" "${BENCH[@]}" --profile-dir /tmp/prof_ours \
+timeout 140 python3 benchmarks/train_bench.py --systems "$OURS" --steps "$STEPS" "${BENCH[@]}" --profile-dir /tmp/prof_ours \
     --out "$OUT/ours.md" >>"$LOG" 2>&1
-wait $JIT
-cat /tmp/jit.log >>"$LOG"
 echo "== upstream: $THEIRS" >>"$LOG"
 DS_BENCH_UPSTREAM=1 PYTHONPATH=/tmp/upstream timeout 130 python3 benchmarks/train_bench.py --systems "$THEIRS" \
-    "${BENCH[@]}" --profile-dir /tmp/prof_upstream --out "$OUT/upstream.md" >>"$LOG" 2>&1
+    --steps "$THEIR_STEPS" "${BENCH[@]}" --profile-dir /tmp/prof_upstream --out "$OUT/upstream.md" >>"$LOG" 2>&1
 for f in /tmp/prof_ours/*.txt /tmp/prof_upstream/*.txt; do echo "==== $f"; cat "$f"; done >"$OUT/profiles.txt" 2>/dev/null
 cat "$OUT/ours.md" "$OUT/upstream.md" 2>/dev/null

@@ -89,8 +89,8 @@ def parse_args(argv=None):
                         help="+offload/+zenflow: offload sections with pin_memory false (default true)")
     parser.add_argument("--zenflow-topk", type=float, default=0.1, help="+zenflow: topk_ratio")
     parser.add_argument("--zenflow-update-interval", default="4", help="+zenflow: update_interval (int or auto)")
-    parser.add_argument("--zenflow-select-strategy", default="step", help="+zenflow: select_strategy")
-    parser.add_argument("--zenflow-select-interval", default="4", help="+zenflow: select_interval (int or auto)")
+    parser.add_argument("--zenflow-select-strategy", default="auto", help="+zenflow: select_strategy")
+    parser.add_argument("--zenflow-select-interval", default="auto", help="+zenflow: select_interval (int or auto)")
     parser.add_argument("--zenflow-no-overlap",
                         dest="zenflow_overlap",
                         action="store_false",
@@ -211,7 +211,8 @@ def bench_system(name, args, cfg, data, device):
 def measure_idle(name, system, data, device, profile_dir):
     """Profile ``len(data)`` more steps; the GPU idle fraction is 1 - (union of device activity) / wall time.
 
-    Device activity is every kernel, copy and memset the profiler records on the GPU. The steps run under the
+    Device activity is every kernel, copy and memset the profiler records on the GPU (not the device-side
+    copies of ``record_function`` ranges). The steps run under the
     profiler (slower on the host than unprofiled steps), so this is a measure of where the device waits, not a
     step time. With ``profile_dir`` the top operators by device and host time go to ``<system>.txt`` there.
     """
@@ -225,8 +226,10 @@ def measure_idle(name, system, data, device, profile_dir):
             system.step(micro_batches)
         _sync(device)
         wall = time.perf_counter() - start
+    # Device-side copies of record_function ranges (user annotations, the DS:: phases) are not device work.
     intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                       and not getattr(e, "is_user_annotation", False) and not e.name.startswith("DS::"))
     busy, cur_start, cur_end = 0.0, None, None
     for lo, hi in intervals:
         if cur_end is None or lo > cur_end:

@@ -17,7 +17,7 @@ steps (after backward, when activations are gone).
 import torch
 from torch.optim.adam import adam as functional_adam
 
-from deepspeed.runtime.zero.transfers import pinned
+from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned
 
 
 def adam_hyperparameters(group):
@@ -51,6 +51,9 @@ class DevicePart:
         self.device = torch.device(device)
         self.offload = bool(offload)
         self.pin_memory = pin_memory
+        self.transfers = HostTransfers(self.device)
+        self._home_copy = DONE  # the copies of the last step's results home (offload), on the side stream
+        self._fetched = None  # (device tensors per group, their copy): offloaded state already on its way in
         self.values = []
         self.exp_avg = []
         self.exp_avg_sq = []
@@ -64,6 +67,7 @@ class DevicePart:
     @torch.no_grad()
     def reset(self, values):
         """A new selection: ``values[g]`` (fp32, any device) are the selected elements' values; moments start at 0."""
+        self._fetched = None
         self.values = [self._home(v.float()) for v in values]
         self.exp_avg = [torch.zeros_like(v) for v in self.values]
         self.exp_avg_sq = [torch.zeros_like(v) for v in self.values]
@@ -71,6 +75,7 @@ class DevicePart:
 
     def load(self, values, exp_avg, exp_avg_sq, steps):
         """Restore a saved device part (a checkpoint)."""
+        self._fetched = None
         self.values = [self._home(v.float()) for v in values]
         self.exp_avg = [self._home(v.float()) for v in exp_avg]
         self.exp_avg_sq = [self._home(v.float()) for v in exp_avg_sq]
@@ -99,28 +104,44 @@ class DevicePart:
                             amsgrad=False,
                             maximize=False,
                             **hp)
-        if self.offload:
+        if self.offload:  # home on the side stream: the next forward does not wait for these copies
+            pairs = []
             for g, tensors in enumerate(on_device):
-                for home, dev in zip((self.values[g], self.exp_avg[g], self.exp_avg_sq[g]), tensors):
-                    home.copy_(dev, non_blocking=True)
+                pairs += list(zip((self.values[g], self.exp_avg[g], self.exp_avg_sq[g]), tensors))
+            self._home_copy = self.transfers.copy_many(pairs)
+            self._fetched = None
         return [values for values, _, _ in on_device]
 
+    def prefetch(self):
+        """Offload: start copying the values and moments to the device on the side stream (the next :meth:`step`
+        uses them), so the copy overlaps the host work before the step. Idempotent; a no-op without offload."""
+        if not self.offload or self._fetched is not None or not self.values:
+            return
+        groups, pairs = [], []
+        for g in range(len(self.values)):
+            homes = (self.values[g], self.exp_avg[g], self.exp_avg_sq[g])
+            devs = tuple(torch.empty_like(h, device=self.device) for h in homes)
+            groups.append(devs)
+            pairs += list(zip(devs, homes))
+        # after the previous step's copies home (same side stream), which wrote these host tensors
+        self._fetched = (groups, self.transfers.copy_many(pairs))
+
     def _on_device(self, g):
-        tensors = (self.values[g], self.exp_avg[g], self.exp_avg_sq[g])
         if not self.offload:
-            return tensors
-        return tuple(t.to(self.device, non_blocking=True) for t in tensors)
+            return (self.values[g], self.exp_avg[g], self.exp_avg_sq[g])
+        self.prefetch()
+        groups, copied = self._fetched
+        copied.wait_stream()
+        return groups[g]
 
     def host_values(self):
         """The values on the host (fp32), for writing them back into the masters."""
-        if self.offload and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the copies home were asynchronous
+        self._home_copy.synchronize()
         return [v.to("cpu") for v in self.values]
 
     def state(self):
         """Moments and step count, for a checkpoint (host tensors)."""
-        if self.offload and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        self._home_copy.synchronize()
         return dict(exp_avg=[t.to("cpu") for t in self.exp_avg],
                     exp_avg_sq=[t.to("cpu") for t in self.exp_avg_sq],
                     steps=self.steps)

@@ -30,6 +30,7 @@ from typing import List, Optional
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.zero import host_math
 
 
 def rows_selected(rows, topk_ratio):
@@ -139,7 +140,11 @@ class RowSelection:
                 offset = piece.part_offset + piece.first_full * c - piece.start
                 block = part.narrow(0, offset, n_full * c).view(n_full, c)
                 row = piece.norm_offset + piece.first_full
-                norms.narrow(0, row, n_full).copy_(torch.linalg.vector_norm(block, dim=1, dtype=torch.float32)**2)
+                if block.device.type == "cpu":
+                    host_math.row_sq_norms(block, norms.narrow(0, row, n_full))
+                else:
+                    norms.narrow(0, row,
+                                 n_full).copy_(torch.linalg.vector_norm(block, dim=1, dtype=torch.float32).cpu()**2)
             for r, e0, e1 in piece.partials:
                 run = part.narrow(0, piece.part_offset + e0 - piece.start, e1 - e0)
                 norms[piece.norm_offset + r] += torch.linalg.vector_norm(run, dtype=torch.float32)**2
@@ -245,7 +250,8 @@ class RowSelection:
                     dst.copy_(src)
                     continue
                 ids = op.ids if target.device.type == "cpu" else op.ids_device
-                dst.view(-1, op.row_len).index_copy_(0, ids, src.view(-1, op.row_len).to(target.dtype))
+                rows = src.view(-1, op.row_len).to(device=target.device, dtype=target.dtype)
+                dst.view(-1, op.row_len).index_copy_(0, ids, rows)
 
     def state(self):
         """The selection, for a checkpoint: piece index -> selected global rows."""

@@ -47,7 +47,7 @@ from deepspeed.runtime.zenflow.config import resolve_schedule
 from deepspeed.runtime.zenflow.device_part import DevicePart, check_adam
 from deepspeed.runtime.zenflow.host_window import HostWindow
 from deepspeed.runtime.zenflow.selection import RowSelection, rows_selected
-from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero import grad_ops, host_math
 from deepspeed.runtime.zero.host_worker import cores_for, host_cores
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned
@@ -92,6 +92,12 @@ class ZenFlowStep:
     def set_steps_per_epoch(self, steps):
         """The training data's epoch length in optimizer steps (the "epoch" selection strategy counts in it)."""
         self.schedule = resolve_schedule(self.cfg, steps)
+
+    def before_step(self):
+        """The window's reductions are complete: start moving what the step needs (offloaded device part)."""
+        reselects = self.window.count == 0 and self._selection_due()
+        if self.steps >= self.schedule.warm_up and not reselects:
+            self.device_part.prefetch()
 
     def set_clip(self, coef):
         """The clipping coefficient of this step (applied to both parts; not to the partitions in place)."""
@@ -145,7 +151,7 @@ class ZenFlowStep:
             if self.pending_apply:
                 self._apply()
                 if self.device_part.values:  # the previous selection's rows keep their device values
-                    self.selection.scatter(self.device_part.values, self.stage.flat_params, space="full")
+                    self.selection.scatter(self.device_part.host_values(), self.stage.flat_params, space="full")
             self.sync_masters()
             self.selection.select(parts)
             masters = [m.data for m in self.stage.masters]
@@ -229,7 +235,7 @@ class ZenFlowStep:
             if piece.selectable:
                 i = index_of[piece.param]
                 part = parts[piece.group].narrow(0, piece.part_offset, piece.length)
-                sums[i] += float(torch.linalg.vector_norm(part, dtype=torch.float32))**2
+                sums[i] += host_math.sum_of_squares([part])
         for g, ops in enumerate(selection.ops):
             for op in ops:
                 piece = selection.pieces[op.piece]
@@ -279,6 +285,8 @@ class ZenFlowStep:
         again (its moments stay)."""
         if self.device_part.values:
             values = self.selection.gather([m.data for m in self.stage.masters], self.selection.new_buffers())
+            self.device_part.host_values()  # no copy home is in flight
+            self.device_part._fetched = None
             for home, value in zip(self.device_part.values, values):
                 home.copy_(value)
 

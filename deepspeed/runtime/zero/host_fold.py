@@ -43,8 +43,10 @@ from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.transfers import DONE, HostTransfers, PinnedRing, is_page_locked
 
 # Ring of pinned buffers for chunks that are added on the host: count, and elements per buffer (a cap;
-# smaller when no chunk is that large).
-RING_COUNT = 8
+# smaller when no chunk is that large). 32 x 32 MiB lets the copies of several buckets run ahead of the
+# adds, so the backward does not wait for the host (measured: with 8 buffers the thread driving the
+# backward waited about 0.1 s per micro-step on the reference offload run).
+RING_COUNT = 32
 RING_NUMEL = 1 << 23
 # Direct device-to-host copies in flight before the caller waits for the oldest (each keeps its device chunk).
 MAX_PENDING = 2

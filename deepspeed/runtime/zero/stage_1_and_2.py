@@ -125,6 +125,11 @@ class PartitionedStage(ZeroStage):
             master.grad = part.to(torch.float32)
         return True
 
+    def finish_window(self):
+        super().finish_window()
+        if self.zenflow is not None:
+            self.zenflow.before_step()
+
     def scale_grads(self, coef):
         if self.zenflow is not None:  # ZenFlow applies the coefficient to what each part reads
             self.zenflow.set_clip(coef)

@@ -26,7 +26,7 @@ import contextlib
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero import grad_ops, host_math
 from deepspeed.runtime.zero.grad_pipeline import GradPipeline
 from deepspeed.runtime.zero.profiling import ds_range
 
@@ -132,8 +132,13 @@ class ZeroStage:
                 by_device = {}
                 for part in self.geometry.partitions():
                     by_device.setdefault(part.device, []).append(part)
-                for parts in by_device.values():
-                    sq = sq + grad_ops.partial_sq_norm(parts, device=self.device)
+                for device, parts in by_device.items():
+                    if device.type == "cpu" and sum(p.numel() for p in parts) >= host_math.PARALLEL_MIN:
+                        # host partitions (offload): reduced on every core, not by one torch call
+                        partial = host_math.sum_of_squares(parts)
+                        sq = sq + torch.tensor(partial, dtype=torch.float32, device=self.device)
+                    else:
+                        sq = sq + grad_ops.partial_sq_norm(parts, device=self.device)
                 if not self.geometry.replicated and self.world_size > 1:
                     dist.all_reduce(sq, group=self.group)
                 self._norm = sq.sqrt()
