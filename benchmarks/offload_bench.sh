@@ -8,7 +8,7 @@
 #
 # WHEELS_DIR holds upstream's wheels (../shared/tools/upstream-wheels.sh); OUT_DIR receives ours.md/.jsonl,
 # upstream.md/.jsonl, profiles.txt (top operators of one profiled step per system) and log.txt. Upstream
-# JIT-builds its CPU Adam during its first system's set-up.
+# JIT-builds its CPU Adam during its first system's set-up. T_TESTS, T_OURS, T_UPSTREAM: time limits (s).
 set -u
 WHEELS=${1:?wheels dir}
 OUT=${2:?output dir}
@@ -24,13 +24,13 @@ LOG="$OUT/log.txt"
 BENCH=(--warmup "$WARMUP" --idle-steps 1 ${BENCH_EXTRA:-})
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream "$WHEELS"/*.whl >>"$LOG" 2>&1
 echo "== gpu offload-path tests" >>"$LOG"
-timeout 80 python3 -m tests.gpu.test_offload_paths >>"$LOG" 2>&1
+timeout "${T_TESTS:-80}" python3 -m tests.gpu.test_offload_paths >>"$LOG" 2>&1
 tail -n 2 "$LOG"
 echo "== ours: $OURS" >>"$LOG"
-timeout 140 python3 benchmarks/train_bench.py --systems "$OURS" --steps "$STEPS" "${BENCH[@]}" --profile-dir /tmp/prof_ours \
+timeout "${T_OURS:-140}" python3 benchmarks/train_bench.py --systems "$OURS" --steps "$STEPS" "${BENCH[@]}" --profile-dir /tmp/prof_ours \
     --out "$OUT/ours.md" >>"$LOG" 2>&1
 echo "== upstream: $THEIRS" >>"$LOG"
-DS_BENCH_UPSTREAM=1 PYTHONPATH=/tmp/upstream timeout 130 python3 benchmarks/train_bench.py --systems "$THEIRS" \
+DS_BENCH_UPSTREAM=1 PYTHONPATH=/tmp/upstream timeout "${T_UPSTREAM:-130}" python3 benchmarks/train_bench.py --systems "$THEIRS" \
     --steps "$THEIR_STEPS" "${BENCH[@]}" --profile-dir /tmp/prof_upstream --out "$OUT/upstream.md" >>"$LOG" 2>&1
 for f in /tmp/prof_ours/*.txt /tmp/prof_upstream/*.txt; do echo "==== $f"; cat "$f"; done >"$OUT/profiles.txt" 2>/dev/null
 cat "$OUT/ours.md" "$OUT/upstream.md" 2>/dev/null
