@@ -105,3 +105,15 @@ def test_offload_keys_reach_the_stage_config():
     assert stage.offload_optimizer == "cpu" and stage.offload_param == "cpu" and stage.pin_memory
     assert stage.cpu_cores_perc == 0.5 and stage.offload_ratio == 0.25
     assert stage.param_pin_memory and stage.param_buffer_count == 3 and stage.param_buffer_numel == 1000
+
+
+@pytest.mark.parametrize("name", ["ds_config_zero2_cpu_offload", "ds_config_zero3_cpu_offload", "ds_config_zenflow"])
+def test_example_configs_parse(name):
+    import os
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.zero.stages import StageConfig
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    cfg = DeepSpeedConfig(os.path.join(root, "examples", "offload", f"{name}.json"))
+    stage = StageConfig.from_ds_config(cfg, torch.bfloat16)
+    assert stage.offload_optimizer == "cpu" and stage.pin_memory
+    assert (stage.zenflow is not None) == (name == "ds_config_zenflow")
