@@ -7,8 +7,11 @@ rank's mean over them, a detached tensor, not synchronised) and ``close()`` (dro
 memory can be freed). ``hp`` holds ``micro_batch``, ``gas``, ``lr``, ``weight_decay``, ``betas``, ``clip`` and
 ``bucket_size``.
 
-* ``ds_zero0/1/2``: this package, ``deepspeed.initialize`` with a bf16 ZeRO config; ``engine.backward`` divides by
-  GAS and ``engine.step`` steps at the boundary.
+* ``ds_zero0/1/2/3``: this package (or, run with ``DS_BENCH_UPSTREAM=1``, whichever ``deepspeed`` comes first on
+  the path), ``deepspeed.initialize`` with a bf16 ZeRO config; ``engine.backward`` divides by GAS and
+  ``engine.step`` steps at the boundary. Modifiers after the name: ``+offload`` puts the optimizer on the host
+  (``offload_optimizer: {device: cpu}``, and on stage 3 the parameters too: ``offload_param``), ``+zenflow``
+  adds a ``zenflow`` section to that (``hp["zenflow"]``); ``hp["pin_memory"]`` sets both sections' ``pin_memory``.
 * ``fsdp2``: ``fully_shard`` on every block and on the root, bf16 compute with fp32 gradient reduction, fp32
   sharded parameters; the loss is divided by GAS by hand and gradients are reduced every micro-step (the default).
 * ``ddp``: fp32 parameters under ``torch.autocast(bfloat16)``, ``no_sync`` on every micro-step but the last.
@@ -23,11 +26,24 @@ import torch
 from benchmarks.gpt import lm_loss
 
 SYSTEMS = ("ds_zero0", "ds_zero1", "ds_zero2", "ds_zero3", "fsdp2", "ddp")
+MODIFIERS = ("offload", "zenflow")
+
+
+def split_name(name):
+    """``"ds_zero2+offload"`` -> ``("ds_zero2", ("offload",))``; ValueError for an unknown system or modifier."""
+    base, *mods = name.split("+")
+    if base not in SYSTEMS:
+        raise ValueError(f"unknown system {base!r}; choose from {', '.join(SYSTEMS)}")
+    for mod in mods:
+        if mod not in MODIFIERS or not base.startswith("ds_zero"):
+            raise ValueError(f"unknown modifier {mod!r} of {base!r}: ds_zero* systems take {', '.join(MODIFIERS)}")
+    return base, tuple(mods)
 
 
 def make_system(name, model, hp, device):
-    if name.startswith("ds_zero"):
-        return DeepSpeedSystem(int(name[len("ds_zero"):]), model, hp)
+    base, mods = split_name(name)
+    if base.startswith("ds_zero"):
+        return DeepSpeedSystem(int(base[len("ds_zero"):]), model, hp, mods)
     if name == "fsdp2":
         return FSDP2System(model, hp, device)
     if name == "ddp":
@@ -45,7 +61,7 @@ def _adamw(params, hp, device):
 
 class DeepSpeedSystem:
 
-    def __init__(self, stage, model, hp):
+    def __init__(self, stage, model, hp, mods=()):
         import deepspeed
         config = {
             "train_micro_batch_size_per_gpu": hp["micro_batch"],
@@ -71,6 +87,14 @@ class DeepSpeedSystem:
                 "stage3_prefetch_bucket_size": hp.get("unit_size", int(4e7)),
             },
         }
+        zero = config["zero_optimization"]
+        pin = bool(hp.get("pin_memory", True))
+        if "offload" in mods or "zenflow" in mods:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+            if stage == 3 and "zenflow" not in mods:
+                zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        if "zenflow" in mods:
+            zero["zenflow"] = dict(hp.get("zenflow") or {})
         _merge(config, hp.get("ds_extra") or {})
         self.engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
 

@@ -29,14 +29,20 @@ import sys
 import time
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# DS_BENCH_UPSTREAM=1: the repository root goes last on the path, so ``import deepspeed`` finds another installation
+# (upstream DeepSpeed on PYTHONPATH) while ``benchmarks`` still comes from here. The run prints which it imported.
+UPSTREAM = os.environ.get("DS_BENCH_UPSTREAM", "") == "1"
 if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
+    if UPSTREAM:
+        sys.path.append(_REPO_ROOT)
+    else:
+        sys.path.insert(0, _REPO_ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.gpt import GPT, GPTConfig, count_params, flops_per_token  # noqa: E402
-from benchmarks.systems import SYSTEMS, make_system  # noqa: E402
+from benchmarks.systems import MODIFIERS, SYSTEMS, make_system, split_name  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0
 SEED = 1234
@@ -82,11 +88,33 @@ def parse_args(argv=None):
                         default=None,
                         metavar="FILE.png",
                         help="draw loss and step time per system into this PNG (needs matplotlib)")
+    parser.add_argument("--no-pin-memory",
+                        dest="pin_memory",
+                        action="store_false",
+                        help="+offload/+zenflow: offload sections with pin_memory false (default true)")
+    parser.add_argument("--zenflow-topk", type=float, default=0.1, help="+zenflow: topk_ratio")
+    parser.add_argument("--zenflow-update-interval", default="4", help="+zenflow: update_interval (int or auto)")
+    parser.add_argument("--zenflow-select-strategy", default="auto", help="+zenflow: select_strategy")
+    parser.add_argument("--zenflow-select-interval", default="auto", help="+zenflow: select_interval (int or auto)")
+    parser.add_argument("--zenflow-no-overlap",
+                        dest="zenflow_overlap",
+                        action="store_false",
+                        help="+zenflow: overlap_step false (default true)")
+    parser.add_argument("--zenflow-offload", action="store_true", help="+zenflow: offload (GPU part's state on host)")
+    parser.add_argument("--idle-steps",
+                        type=int,
+                        default=0,
+                        help="after the timed steps, profile this many more and report the GPU idle fraction")
+    parser.add_argument("--profile-dir",
+                        default=None,
+                        help="with --idle-steps: write each system's profiler table (top ops) into this folder")
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in SYSTEMS]
-    if unknown:
-        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    for name in args.systems:
+        try:
+            split_name(name)
+        except ValueError as exc:
+            parser.error(f"{exc} (modifiers: {', '.join(MODIFIERS)})")
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     return args
@@ -154,7 +182,9 @@ def bench_system(name, args, cfg, data, device):
               clip=args.clip,
               bucket_size=int(args.bucket_size),
               unit_size=int(args.unit_size),
-              ds_extra=args.ds_extra)
+              ds_extra=args.ds_extra,
+              pin_memory=args.pin_memory,
+              zenflow=zenflow_section(args))
     torch.manual_seed(SEED)
     with torch.device(device):
         model = GPT(cfg)
@@ -166,6 +196,7 @@ def bench_system(name, args, cfg, data, device):
     if device.type == "cuda":
         setup_peak = torch.cuda.max_memory_allocated(device) / GIB
         torch.cuda.reset_peak_memory_stats(device)
+    idle = None
     try:
         step_times, losses = [], []
         for micro_batches in data:
@@ -175,10 +206,77 @@ def bench_system(name, args, cfg, data, device):
             _sync(device)
             step_times.append(time.perf_counter() - start)
             losses.append(float(loss))
+        peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+        if args.idle_steps > 0:
+            idle = measure_idle(name, system, data[-args.idle_steps:], device, args.profile_dir)
     finally:
         system.close()
-    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
-    return dict(step_times=step_times, losses=losses, peak_mem_gib=peak, setup_peak_mem_gib=setup_peak)
+    return dict(step_times=step_times, losses=losses, peak_mem_gib=peak, setup_peak_mem_gib=setup_peak, idle=idle)
+
+
+def measure_idle(name, system, data, device, profile_dir):
+    """Profile ``len(data)`` more steps; the GPU idle fraction is 1 - (union of device activity) / wall time.
+
+    Device activity is every kernel, copy and memset the profiler records on the GPU (not the device-side
+    copies of ``record_function`` ranges). The steps run under the
+    profiler (slower on the host than unprofiled steps), so this is a measure of where the device waits, not a
+    step time. With ``profile_dir`` the top operators by device and host time go to ``<system>.txt`` there.
+    """
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for micro_batches in data:
+            system.step(micro_batches)
+        _sync(device)
+        wall = time.perf_counter() - start
+    # Device-side copies of record_function ranges (user annotations, the DS:: phases) are not device work.
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                       and not getattr(e, "is_user_annotation", False) and not e.name.startswith("DS::"))
+    busy, cur_start, cur_end = 0.0, None, None
+    for lo, hi in intervals:
+        if cur_end is None or lo > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = lo, hi
+        else:
+            cur_end = max(cur_end, hi)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
+    if profile_dir:
+        os.makedirs(profile_dir, exist_ok=True)
+        safe = name.replace("+", "_")
+        with open(os.path.join(profile_dir, f"{safe}.txt"), "w") as f:
+            table = prof.key_averages()
+            f.write(f"{name}: {len(data)} profiled steps, wall {wall:.3f} s, device busy {busy / 1e6:.3f} s\n\n")
+            f.write(table.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+            f.write("\n\n")
+            f.write(table.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
+    return dict(steps=len(data),
+                wall_s=wall,
+                busy_s=busy / 1e6,
+                span_s=span / 1e6,
+                idle_fraction=max(0.0, 1.0 - busy / 1e6 / wall) if wall > 0 else None)
+
+
+def zenflow_section(args):
+    """The ``zenflow`` section of ``+zenflow`` systems, from the ``--zenflow-*`` options."""
+
+    def number_or_auto(value):
+        return value if value == "auto" else int(value)
+
+    return {
+        "topk_ratio": args.zenflow_topk,
+        "select_strategy": args.zenflow_select_strategy,
+        "select_interval": number_or_auto(args.zenflow_select_interval),
+        "update_interval": number_or_auto(args.zenflow_update_interval),
+        "overlap_step": bool(args.zenflow_overlap),
+        "offload": bool(args.zenflow_offload),
+    }
 
 
 def run_one(name, args, cfg, data, device, world):
@@ -224,6 +322,10 @@ def run_one(name, args, cfg, data, device, world):
                final_loss=losses[-1])
     if device.type == "cuda":
         row["peak_mem_gib"] = max(g[0]["peak_mem_gib"] for g in gathered)
+    idles = [g[0]["idle"] for g in gathered if g[0].get("idle")]
+    if idles:
+        row["gpu_idle_fraction"] = max(i["idle_fraction"] for i in idles)
+        row["idle_profile"] = idles[0]
     return row
 
 
@@ -235,9 +337,9 @@ def render(rows, header):
     """The markdown report: the header lines, then one table row per system."""
     lines = list(header) + [
         "",
-        "| system | status | median step (s) | tokens/s | MFU | peak mem/rank (GiB) | setup peak (GiB) | first loss "
-        "| final loss |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| system | status | median step (s) | tokens/s | MFU | peak mem/rank (GiB) | setup peak (GiB) | GPU idle "
+        "| first loss | final loss |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row.get('error', '')}"
@@ -245,16 +347,18 @@ def render(rows, header):
         lines.append(f"| {row['system']} | {status} | {_fmt(row.get('median_step_s'), '.3f')} | "
                      f"{_fmt(row.get('tokens_per_s'), ',.0f')} | {_fmt(row.get('mfu'), '.1%')} | "
                      f"{_fmt(row.get('peak_mem_gib'), '.2f')} | {_fmt(row.get('setup_peak_mem_gib'), '.2f')} | "
-                     f"{_fmt(row.get('first_loss'), '.4f')} | "
+                     f"{_fmt(row.get('gpu_idle_fraction'), '.1%')} | {_fmt(row.get('first_loss'), '.4f')} | "
                      f"{_fmt(row.get('final_loss'), '.4f')} |")
     return "\n".join(lines) + "\n"
 
 
 def describe(args, cfg, world, device, n_params, n_matmul, fpt):
+    import deepspeed
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
     return [
         f"# train_bench: {world} x {device_name}, torch {torch.__version__}",
         "",
+        f"- deepspeed: {deepspeed.__version__} from {deepspeed.__file__}",
         f"- model: GPT d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, vocab {cfg.vocab}, "
         f"seq {cfg.seq}, tied head, activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}; "
         f"{n_params / 1e6:,.1f}M parameters ({n_matmul / 1e6:,.1f}M without the position embedding)",
@@ -286,6 +390,8 @@ def main(argv=None):
         n_params, n_matmul = count_params(GPT(cfg))
     fpt = flops_per_token(cfg, n_matmul)
     header = describe(args, cfg, world, device, n_params, n_matmul, fpt)
+    if rank == 0:
+        print(f"[train_bench] {header[2].lstrip('- ')}", flush=True)
     data = make_data(args, rank, device)
     rows = []
     for name in args.systems:

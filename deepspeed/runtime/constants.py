@@ -156,6 +156,9 @@ CHECKPOINT_TAG_VALIDATION_MODES = (ValidationMode.WARN, ValidationMode.IGNORE, V
 # deepspeed.initialize; these are the only places where upstream itself gives "auto" a meaning.
 AUTO = "auto"
 AUTO_ALLOWED_PATHS = frozenset({
+    "zero_optimization.zenflow.select_strategy",
+    "zero_optimization.zenflow.select_interval",
+    "zero_optimization.zenflow.update_interval",
     "pipeline.stages",
     "expert_parallel.top_k",
     "expert_parallel.routed_scaling_factor",

@@ -105,6 +105,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None
+        if self._stage is not None and self.training_dataloader is not None:
+            self._stage.set_epoch_length(len(self.training_dataloader) // max(1, self.gradient_accumulation_steps()))
         if self.global_rank == 0:
             log_dist(
                 f"DeepSpeedEngine: zero stage {self.zero_optimization_stage()}, dtype {self._dtype}, "

@@ -74,6 +74,10 @@ class SaveContext:
                     save_id=self.save_id)
 
 
+# The optimizer-file entry of a stage's own state beside masters and optimizer (``ZeroStage.extra_state``).
+STAGE_EXTRA_KEY = "stage_extra_state"
+
+
 @dataclass(frozen=True)
 class OwnPartition:
     """This rank's own saved optimizer state (``optimizer_state_dict`` of its file), to load as it is."""
@@ -169,6 +173,8 @@ class FlatMastersCheckpoint(StageCheckpoint):
             if load_optimizer_states:
                 load_inner(self.inner, inner_sd)
             self._refresh()
+            # the stage's own state beside masters and optimizer (ZenFlow's window, selection, device part)
+            stage.load_extra_state(saved.get(STAGE_EXTRA_KEY) if load_optimizer_states else None)
 
         return apply
 
@@ -204,6 +210,7 @@ class FlatMastersCheckpoint(StageCheckpoint):
             if sd is not None:
                 load_inner(self.inner, sd)
             self._refresh()
+            stage.load_extra_state(None)  # another layout: the stage's own state starts afresh
 
         return apply
 

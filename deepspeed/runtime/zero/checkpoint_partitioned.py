@@ -17,7 +17,7 @@ import torch
 
 from deepspeed.runtime.checkpoint import paths
 from deepspeed.runtime.checkpoint.reshard import LAYOUT_KEY, same_layout
-from deepspeed.runtime.checkpoint.stage_checkpoint import FlatMastersCheckpoint
+from deepspeed.runtime.checkpoint.stage_checkpoint import STAGE_EXTRA_KEY, FlatMastersCheckpoint
 
 
 def describe_layout(layout, name_of):
@@ -73,6 +73,9 @@ class PartitionedCheckpoint(FlatMastersCheckpoint):
                      partition_count=self.layout.world_size,
                      partition_layout=describe_layout(self.layout, save.name_of),
                      ds_version=deepspeed.__version__)
+        extra = stage.extra_state()  # ZenFlow's window, selection and device part
+        if extra is not None:
+            state[STAGE_EXTRA_KEY] = extra
         files.append((paths.optim_states_name(self.layout.rank, save.bf16), save.optimizer_file(state)))
         return files
 

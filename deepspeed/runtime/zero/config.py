@@ -24,6 +24,7 @@ from ..config_utils import (ConfigSection, DeepSpeedConfigError, boolean, config
                             optional, section, size, string_list)
 from ..constants import ZERO_OPTIMIZATION
 from .offload_config import (DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig, OffloadDeviceEnum)
+from ..zenflow.config import ZenFlowConfig
 
 
 class ZeroStageEnum:
@@ -75,7 +76,7 @@ class DeepSpeedZeroConfig(ConfigSection):
         None, parse=optional(section(DeepSpeedZeroOffloadParamConfig)))
     offload_optimizer: Optional[DeepSpeedZeroOffloadOptimizerConfig] = config_field(
         None, parse=optional(section(DeepSpeedZeroOffloadOptimizerConfig)))
-    zenflow: Optional[dict] = config_field(None, parse=optional(mapping()))
+    zenflow: Optional[ZenFlowConfig] = config_field(None, parse=optional(section(ZenFlowConfig)))
     sub_group_size: int = config_field(int(1e9), parse=_size)
     cpu_offload_param: Optional[bool] = config_field(None, parse=optional(boolean()))
     cpu_offload_use_pin_memory: Optional[bool] = config_field(None, parse=optional(boolean()))

@@ -98,8 +98,9 @@ class UnitCoordinator:
 
     ``pipeline`` is the engine's gradient pipeline: a backward that reaches one of these
     modules joins it (so its epilogue releases what that backward gathered).
-    ``send_chunk(unit, out)`` writes this rank's row of ``unit`` in the model dtype into ``out`` (a device
-    tensor of ``unit.chunk`` elements) and returns it; with ``out`` None it allocates the row.
+    ``send_chunk(unit, out)`` returns ``(row, ready)``: this rank's row of ``unit`` in the model dtype, on the
+    device (written into ``out`` when given, a device tensor of ``unit.chunk`` elements), once ``ready`` (a
+    :class:`~deepspeed.runtime.zero.transfers.Transfer`) completed.
     """
 
     def __init__(self, module, units, send_chunk_fn, pipeline, group, device, transport=None):
@@ -334,14 +335,15 @@ class UnitCoordinator:
     def _launch_gather(self, unit):
         if self.world_size == 1:
             # On a world of one the unit's row is the whole unit, laid out as the gathered storage:
-            # this rank's shards are cast straight into it, no collective and no copy-out.
+            # this rank's shards are cast (or uploaded) straight into it, no collective and no copy-out.
             full, _ = self._storage(unit, self._model_dtype(unit))
-            self._send_chunk(unit, full)
-            unit._gather = (None, None)
+            _, ready = self._send_chunk(unit, full)
+            unit._gather = (ready, None)  # waiting on the copy orders the compute stream after it
         else:
-            send = self._send_chunk(unit, None)
+            send, ready = self._send_chunk(unit, None)
             buffer = torch.empty(self.world_size * unit.chunk, dtype=send.dtype, device=self.device)
-            unit._gather = (self.transport.all_gather(buffer, send, self.group), buffer)
+            with ready.ordered():  # the all-gather reads ``send`` after its copy; the compute stream does not wait
+                unit._gather = (self.transport.all_gather(buffer, send, self.group), buffer)
         unit.state = UnitState.GATHERING
         for param in unit.params:
             param.ds_status = ZeroParamStatus.INFLIGHT

@@ -31,12 +31,14 @@ def point_optimizer_at(inner, masters, nonempty):
 class PartitionedOptimizerState:
     """``optimizer_state``/``set_optimizer_state`` for stages whose masters are one flat partition per group.
 
-    The stage provides ``masters``, ``optimizer``, ``_group(param)``, ``_gather_from(buffer, param)`` (a
+    The stage provides ``masters``, ``optimizer``, ``_masters_current()``, ``_group(param)``,
+    ``_gather_from(buffer, param)`` (a
     collective: ``param``'s full fp32 value from every rank's group-partition-shaped ``buffer``) and
     ``_write(buffer, param, value)`` (this rank's piece of the full ``value`` into ``buffer``).
     """
 
     def optimizer_state(self, param, key):
+        self._masters_current()
         master = self.masters[self._group(param)]
         value = self.optimizer.state.get(master, {}).get(key)
         if isinstance(value, torch.Tensor) and value.numel() == master.numel():
@@ -44,6 +46,7 @@ class PartitionedOptimizerState:
         return value
 
     def set_optimizer_state(self, param, key, value):
+        self._masters_current()
         master = self.masters[self._group(param)]
         state = self.optimizer.state.get(master, {}).get(key)
         if not isinstance(state, torch.Tensor) or state.numel() != master.numel():

@@ -30,8 +30,10 @@ Three geometries, one per kind of stage:
 * :class:`UnitGeometry` (stage 3): a parameter unit is staged rank-major (row ``r`` holds
   every parameter's shard ``r``) and reduce-scattered into the rank's shards.
 
-Partitions may live on the host (optimizer offload); folding then goes through the
-transfers seam (pinned buffers on a side stream).
+Partitions may live on the host (optimizer offload, ``part_device`` given): folding then goes
+through a :class:`~deepspeed.runtime.zero.host_fold.HostFolder` (device-to-host copies on a side
+stream, host adds on a worker thread, lazy zeroing), and :meth:`_Geometry.partitions` settles it
+first, so whoever reads the partitions sees the complete window gradient.
 """
 
 import torch
@@ -41,11 +43,9 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.grad_buffer import FlatLayout
 from deepspeed.runtime.zero.grad_pipeline import GradBucket, GradSlot
-from deepspeed.runtime.zero.transfers import HostTransfers, PinnedRing, pinned
+from deepspeed.runtime.zero.host_fold import HostFolder
+from deepspeed.runtime.zero.transfers import DONE, pinned
 from deepspeed.runtime.zero.transport import DEFAULT_TRANSPORT
-
-# Pinned host buffers for reduced chunks on their way to host partitions.
-HOST_RING_BUFFERS = 2
 
 
 class Flight:
@@ -102,28 +102,35 @@ class _Geometry:
         self.accum_dtype = accum_dtype
         self.comm_dtype = comm_dtype if comm_dtype is not None and comm_dtype != accum_dtype else None
         self.transport = transport or DEFAULT_TRANSPORT
+        self.offloaded = part_device is not None
         self.part_device = torch.device(part_device) if part_device is not None else self.device
         self.pin_memory = pin_memory
-        self.identity = self.world_size == 1 and self.part_device == self.device
-        self._transfers = None
-        self._ring = None
+        self.identity = self.world_size == 1 and not self.offloaded and self.part_device == self.device
+        # Host partitions: every fold goes through the folder (on a CPU-only machine too, so the logic the
+        # GPU runs is the one tests exercise).
+        self.folder = HostFolder(self.device) if self.offloaded else None
 
     def _new_part(self, numel):
         return pinned(torch.zeros(numel, dtype=self.accum_dtype, device=self.part_device), self.pin_memory)
 
+    def _register_piece(self, piece):
+        if self.folder is not None:
+            self.folder.register(piece)
+
     def _fold_into(self, part, piece):
-        """``part += piece`` where ``part`` may be on the host and ``piece`` on the device."""
-        if part.device == piece.device:
-            part.add_(piece)
-            return
-        if self._ring is None or self._ring.numel < piece.numel():
-            self._transfers = self._transfers or HostTransfers(self.device)
-            self._ring = PinnedRing(HOST_RING_BUFFERS, piece.numel(), piece.dtype, self.pin_memory)
-        index, host = self._ring.take(piece.numel())
-        done = self._transfers.copy(host, piece)
-        self._ring.used_by(index, done)
-        done.synchronize()  # the host add reads it now
-        part.add_(host)
+        """``part += piece`` where ``part`` may be on the host and ``piece`` on the device.
+
+        Returns the transfer after which ``piece`` was read (see :meth:`HostFolder.fold`).
+        """
+        if self.folder is not None:
+            return self.folder.fold(part, piece)
+        part.add_(piece)
+        return DONE
+
+    def settle(self):
+        """Complete every fold issued so far (host partitions: the copies and host adds in flight)."""
+        if self.folder is not None:
+            self.folder.settle()
 
     def _reduce(self, send, chunk):
         """Start reducing the flat ``send``; return ``(work, out)`` with ``out`` this rank's ``chunk`` elements."""
@@ -136,11 +143,15 @@ class _Geometry:
         return work, send.narrow(0, self.rank * chunk, chunk)
 
     def zero_window(self):
+        if self.folder is not None:
+            self.folder.new_window()  # lazy: each piece's next fold overwrites it
+            return
         for part in self.partitions():
             part.zero_()
 
     def release(self):
-        pass
+        if self.folder is not None:
+            self.folder.close()
 
 
 class ReplicatedGeometry(_Geometry):
@@ -246,12 +257,27 @@ class PartitionGeometry(_Geometry):
                     bucket.slots.append(GradSlot(param, bucket, slot.offset - spec.start, slot.numel, slot.shape))
             self.buckets.append(bucket)
             self._dest.append(layout.bucket_part(self.grad_parts[spec.group], spec))
+            if bucket.slots:
+                self._register_piece(self._dest[-1])
         self._persistent = None
         if persistent_staging and not self.identity:
             self._persistent = torch.zeros(layout.numel, dtype=self.accum_dtype, device=self.device)
 
     def partitions(self):
+        self.settle()
         return self.grad_parts
+
+    def use_partitions(self, parts):
+        """From now on fold into ``parts`` (host tensors shaped like the partitions) instead: the caller keeps
+        reading the previous ones (ZenFlow's host worker does, while the next window fills these)."""
+        self.settle()
+        self.grad_parts = list(parts)
+        self._dest = [self.layout.bucket_part(self.grad_parts[spec.group], spec) for spec in self.layout.buckets]
+        if self.folder is not None:
+            self.folder.clear_pieces()
+            for bucket, dest in zip(self.buckets, self._dest):
+                if bucket.slots:
+                    self.folder.register(dest)
 
     def _persistent_region(self, index):
         spec = self.layout.buckets[index]
@@ -297,11 +323,13 @@ class PartitionGeometry(_Geometry):
         return Flight(bucket, work, out, reuse, own)
 
     def fold(self, flight):
-        self._fold_into(self._dest[flight.bucket.index], flight.out)
+        read = self._fold_into(self._dest[flight.bucket.index], flight.out)
         if flight.staged is not None:
+            read.wait_stream()  # the persistent staging is zeroed on the device once its copy has read it
             flight.staged.zero_()
 
     def release(self):
+        super().release()
         self.grad_parts = []
         self._dest = []
         self._persistent = None
@@ -336,8 +364,12 @@ class UnitGeometry(_Geometry):
             self.buckets.append(bucket)
             self._segments.append(segments)
             self._flat_dest.append(segments[0][0] if whole and self.identity else None)
+            if bucket.slots:
+                for piece, _, _ in segments:
+                    self._register_piece(piece)
 
     def partitions(self):
+        self.settle()
         return self.grad_parts
 
     def _rows(self, bucket):
@@ -412,6 +444,7 @@ class UnitGeometry(_Geometry):
             self._fold_into(piece, out.narrow(0, column, length))
 
     def release(self):
+        super().release()
         self.grad_parts = []
         self._segments = []
         self._flat_dest = []

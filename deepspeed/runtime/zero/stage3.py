@@ -27,6 +27,8 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.checkpoint_stage3 import Stage3Checkpoint
+from deepspeed.runtime.zero.offload_step import HostStep
+from deepspeed.runtime.zero.param_fetch import ShardFetch
 from deepspeed.runtime.zero.parameter_units import UnitCoordinator, build_units
 from deepspeed.runtime.zero.partition_layout import UnitPartitionLayout
 from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zero_param, partition_param,
@@ -35,6 +37,7 @@ from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, m
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import UnitGeometry
 from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
+from deepspeed.runtime.zero.transfers import DONE, pinned
 from deepspeed.utils.timer import OPTIMIZER_STEP_TIMER
 
 
@@ -69,7 +72,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
         # 16-bit shards of every group (and of frozen parameters), unit-major; ds_tensor become views.
         self.shards = [
-            torch.zeros(n, dtype=model_dtype, device=self.param_device)
+            pinned(torch.zeros(n, dtype=model_dtype, device=self.param_device), config.param_pin_memory)
             for n in layout.group_part_numel + [layout.frozen_part_numel]
         ]
         with torch.no_grad():
@@ -83,7 +86,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         geometry = UnitGeometry(units,
                                 layout,
                                 use_reduce_scatter=config.use_reduce_scatter,
-                                **self._geometry_args(self.part_device))
+                                **self._geometry_args(self.part_device if config.offload_optimizer else None))
         self._build_pipeline(geometry,
                              reduce_in_every_backward=True,
                              in_flight_limit=self._in_flight_limit(),
@@ -97,36 +100,57 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         # Where masters live beside the parameters' device, gathers read the fp32 masters and
         # cast while copying in (as FSDP2 does): no 16-bit copy of the shards is kept.
         self.sources = list(self.shards)
-        if self.part_device == self.param_device == self.device:
+        if not config.offload_optimizer and not config.offload_param:
             for g, master in enumerate(self.masters):
                 self.sources[g] = master.data
                 self.shards[g] = None
             with torch.no_grad():
                 for p in all_params:
                     p.ds_tensor = layout.shard_view(self.sources[layout.slots[p].group], p)
+        # Offload: host shards reach the device through asynchronous copies; host masters are stepped by
+        # a HostStep that writes host shards directly, or pinned buffers uploaded to device shards.
+        self.fetch = None
+        if config.offload_param:
+            self.fetch = ShardFetch(self.device,
+                                    model_dtype,
+                                    buffer_count=config.param_buffer_count,
+                                    buffer_numel=config.param_buffer_numel,
+                                    largest_row=max([u.chunk for u in units] + [1]))
+        self.host_step = None
+        if config.offload_optimizer:
+            host_shards = bool(config.offload_param)
+            self.host_step = HostStep(optimizer,
+                                      self.masters,
+                                      model_dtype,
+                                      self.device,
+                                      pin_memory=config.pin_memory,
+                                      cores_perc=config.cpu_cores_perc,
+                                      targets=self.shards[:num_groups] if host_shards else None)
+            self._host_shards = host_shards
         self.coordinator = UnitCoordinator(module, units, self._send_chunk, self.pipeline, group, device)
         self._gather_persistent()
 
     @property
     def grad_parts(self):
-        return self.geometry.grad_parts
+        return self.geometry.partitions()
 
     # ------------------------------------------------------------ gathering
     def _send_chunk(self, unit, out):
-        """This rank's row of ``unit`` in the model dtype on the device, written into ``out`` when given (the
-        fp32 masters cast in one pass)."""
-        pieces = [
-            self.sources[g].narrow(0, part_offset, length)
-            for g, part_offset, _, length in self.layout.segments[unit.index]
-        ]
-        if out is None:
-            out = torch.empty(unit.chunk, dtype=self.model_dtype, device=self.device)
-        if all(p.device == self.device for p in pieces):
-            grad_ops.pack_cast(pieces, out)
-        else:
-            chunk = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            out.copy_(chunk, non_blocking=True)
-        return out
+        """``(row, ready)``: this rank's row of ``unit`` in the model dtype on the device (in ``out`` when given),
+        and the copy it waits for.
+
+        Device sources (the fp32 masters or device shards) are cast in one pass (``ready`` is DONE); host
+        shards are uploaded asynchronously (:class:`ShardFetch`).
+        """
+        segments = self.layout.segments[unit.index]
+        pieces = [self.sources[g].narrow(0, part_offset, length) for g, part_offset, _, length in segments]
+        if self.fetch is None:
+            row = torch.empty(unit.chunk, dtype=self.model_dtype, device=self.device) if out is None else out
+            grad_ops.pack_cast(pieces, row)
+            return row, DONE
+        return self.fetch.fetch([(piece, column) for piece, (_, _, column, _) in zip(pieces, segments)],
+                                unit.chunk,
+                                out=out)
 
     def _gather_persistent(self):
         for unit in self.units:
@@ -146,7 +170,10 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             if attached:
                 for master, part in zip(self.masters, self.grad_parts):
                     master.grad = part.to(torch.float32)
-            self.optimizer.step()
+            if self.host_step is not None:
+                self.host_step.step(before_write=self.fetch if self._host_shards else None)
+            else:
+                self.optimizer.step()
             if attached:
                 for master in self.masters:
                     master.grad = None
@@ -155,9 +182,18 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     @torch.no_grad()
     def refresh_16bit(self):
         """After the masters changed (a step, a load): the 16-bit shards, then re-gather the persistent units."""
-        dsts = [s for s in self.shards[:len(self.masters)] if s is not None]
-        srcs = [m.data for s, m in zip(self.shards, self.masters) if s is not None]
-        grad_ops.cast_copy(dsts, srcs)
+        if self.host_step is not None and self._host_shards:
+            if not self.host_step.fresh:  # the step writes the host shards itself
+                self.host_step.refresh(before_write=self.fetch)
+            self.host_step.fresh = False
+        elif self.host_step is not None:
+            self.host_step.upload(self.shards[:len(self.masters)])
+        else:
+            if self.fetch is not None:
+                self.fetch.synchronize()
+            dsts = [s for s in self.shards[:len(self.masters)] if s is not None]
+            srcs = [m.data for s, m in zip(self.shards, self.masters) if s is not None]
+            grad_ops.cast_copy(dsts, srcs)
         self.coordinator.release_all()
         self._gather_persistent()
 

@@ -25,7 +25,9 @@ bucket by bucket.
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
 from deepspeed.runtime.zero.checkpoint_partitioned import PartitionedCheckpoint
+from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
 from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
 from deepspeed.runtime.zero.profiling import ds_range
@@ -61,7 +63,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         geometry = PartitionGeometry(layout,
                                      persistent_staging=config.stage == 1,
                                      use_reduce_scatter=config.use_reduce_scatter,
-                                     **self._geometry_args(self.part_device))
+                                     **self._geometry_args(self.part_device if config.offload_optimizer else None))
         self._build_pipeline(geometry,
                              reduce_in_every_backward=config.stage == 2,
                              in_flight_limit=self._in_flight_limit())
@@ -73,16 +75,33 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                     layout.bucket_part(master, bucket).copy_(layout.bucket_own_chunk_full(self.flat_params, bucket))
             self.masters.append(master_partition(master, geometry.grad_parts[g], config.pin_memory))
         point_optimizer_at(optimizer, self.masters, [bool(g) for g in groups])
+        self.host_step = None
+        if config.offload_optimizer:
+            self.host_step = HostStep(optimizer,
+                                      self.masters,
+                                      model_dtype,
+                                      self.device,
+                                      pin_memory=config.pin_memory,
+                                      cores_perc=config.cpu_cores_perc)
+
+        self.zenflow = ZenFlowStep(self, config.zenflow) if config.zenflow is not None else None
 
     @property
     def grad_parts(self):
-        return self.geometry.grad_parts
+        return self.geometry.partitions()
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self):
+        if self.zenflow is not None:
+            with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
+                self.zenflow.step()
+            return
         with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
             attached = self._attach_step_grads()
-            self.optimizer.step()
+            if self.host_step is not None:
+                self.host_step.step()
+            else:
+                self.optimizer.step()
             if attached:
                 for master in self.masters:
                     master.grad = None
@@ -97,9 +116,48 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
             master.grad = part.to(torch.float32)
         return True
 
+    def finish_window(self):
+        super().finish_window()
+        if self.zenflow is not None:
+            self.zenflow.before_step()
+
+    def scale_grads(self, coef):
+        if self.zenflow is not None:  # ZenFlow applies the coefficient to what each part reads
+            self.zenflow.set_clip(coef)
+        else:
+            super().scale_grads(coef)
+
+    def set_epoch_length(self, steps):
+        if self.zenflow is not None:
+            self.zenflow.set_steps_per_epoch(steps)
+
+    def extra_state(self):
+        """State beside the masters and the inner optimizer that a checkpoint keeps (ZenFlow's), or None."""
+        return self.zenflow.export_state() if self.zenflow is not None else None
+
+    def load_extra_state(self, state):
+        """Restore :meth:`extra_state` after the masters and the optimizer were loaded (collective); None: reset."""
+        if self.zenflow is not None:
+            if state is None:
+                self.zenflow.reset()
+            else:
+                self.zenflow.import_state(state)
+
+    def _masters_current(self):
+        if self.zenflow is not None:
+            self.zenflow.sync_masters()
+
+    def release(self):
+        if self.zenflow is not None:
+            self.zenflow.close()
+        super().release()
+
     @torch.no_grad()
     def all_gather_params(self):
         """Put every rank's updated master partition into the model's parameters (a collective)."""
+        if self.host_step is not None:
+            self.host_step.gather_into(self.layout, self.flat_params, self.group)
+            return
         layout = self.layout
         works = []
         with ds_range("DS::param_all_gather"):
@@ -164,12 +222,17 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         return self._local(self.grad_parts[self._group(param)], param)
 
     def fp32_param(self, param):
+        self._masters_current()
         return self._gather(self.masters[self._group(param)].data, param)
 
     def local_fp32_param(self, param):
+        self._masters_current()
         return self._local(self.masters[self._group(param)].data, param)
 
     def set_fp32_param(self, param, value):
+        self._masters_current()
         with torch.no_grad():
             self._write(self.masters[self._group(param)].data, param, value)
             param.copy_(value)
+        if self.zenflow is not None:
+            self.zenflow.masters_changed()

@@ -26,7 +26,7 @@ import contextlib
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero import grad_ops, host_math
 from deepspeed.runtime.zero.grad_pipeline import GradPipeline
 from deepspeed.runtime.zero.profiling import ds_range
 
@@ -151,8 +151,13 @@ class ZeroStage:
                 by_device = {}
                 for part in self.geometry.partitions():
                     by_device.setdefault(part.device, []).append(part)
-                for parts in by_device.values():
-                    sq = sq + grad_ops.partial_sq_norm(parts, device=self.device)
+                for device, parts in by_device.items():
+                    if device.type == "cpu" and sum(p.numel() for p in parts) >= host_math.PARALLEL_MIN:
+                        # host partitions (offload): reduced on every core, not by one torch call
+                        partial = host_math.sum_of_squares(parts)
+                        sq = sq + torch.tensor(partial, dtype=torch.float32, device=self.device)
+                    else:
+                        sq = sq + grad_ops.partial_sq_norm(parts, device=self.device)
                 if not self.geometry.replicated and self.world_size > 1:
                     dist.all_reduce(sq, group=self.group)
                 self._norm = sq.sqrt()
@@ -167,6 +172,11 @@ class ZeroStage:
         for part in self.geometry.partitions():
             by_device.setdefault(part.device, []).append(part)
         for device, parts in by_device.items():
+            if device.type == "cpu":  # host partitions: the value is read anyway; a coefficient of 1 skips a pass
+                value = float(coef)
+                if value != 1.0:
+                    grad_ops.scale_(parts, value)
+                continue
             grad_ops.scale_(parts, coef.to(device) if torch.is_tensor(coef) else coef)
 
     def optimizer_step(self):
@@ -183,6 +193,19 @@ class ZeroStage:
         """This stage's checkpoint export and import: a
         :class:`~deepspeed.runtime.checkpoint.stage_checkpoint.StageCheckpoint` (what the checkpoint code calls)."""
         raise NotImplementedError(f"{type(self).__name__} has no checkpoint support")
+
+    def set_epoch_length(self, steps):
+        """The training data's epoch length in optimizer steps (ZenFlow's "epoch" selection strategy reads it)."""
+
+    def extra_state(self):
+        """State a checkpoint keeps beside the masters and the inner optimizer (ZenFlow's), or None."""
+        return None
+
+    def load_extra_state(self, state):
+        """Restore :meth:`extra_state` after the masters and optimizer were loaded (None: the checkpoint has none)."""
+
+    def _masters_current(self):
+        """Before the fp32 masters or the optimizer state are read: wait for anything still updating them."""
 
     # ------------------------------------------------------------- accessors
     def params_modified(self, param):

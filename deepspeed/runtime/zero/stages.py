@@ -13,6 +13,9 @@ from typing import Optional
 
 import torch
 
+from deepspeed.runtime.zenflow.config import check_zenflow_stage
+from deepspeed.utils.logging import logger
+
 
 @dataclass(frozen=True)
 class StageConfig:
@@ -28,7 +31,13 @@ class StageConfig:
     use_reduce_scatter: bool = True
     offload_optimizer: Optional[str] = None  # "cpu" or None
     offload_param: Optional[str] = None  # "cpu" or None (stage 3)
-    pin_memory: bool = False
+    pin_memory: bool = False  # offload_optimizer.pin_memory: page-locked host partitions and masters
+    cpu_cores_perc: float = 0.8  # offload_optimizer.cpuadam_cores_perc: cores of the host optimizer step
+    offload_ratio: float = 1.0  # offload_optimizer.ratio (stage 3): share of the masters kept on the host
+    param_pin_memory: bool = False  # offload_param.pin_memory (stage 3): page-locked 16-bit shards
+    param_buffer_count: int = 5  # offload_param.buffer_count: pinned staging buffers for unpinned shards
+    param_buffer_numel: int = int(1e8)  # offload_param.buffer_size: elements per staging buffer
+    zenflow: Optional[object] = None  # a ZenFlowConfig (zero_optimization.zenflow), or None
     unit_numel: int = int(5e7)  # stage 3: stage3_prefetch_bucket_size
     persistence_threshold: int = int(1e5)  # stage 3: stage3_param_persistence_threshold
 
@@ -41,6 +50,13 @@ class StageConfig:
         offload_param = _device_name(zero.offload_param_device) if stage == 3 else "none"
         if "nvme" in (offload_optimizer, offload_param):
             raise NotImplementedError("NVMe offload is not supported; see docs/compatibility.md")
+        check_zenflow_stage(zero.zenflow, stage, offload_optimizer)
+        opt_section = zero.offload_optimizer if offload_optimizer == "cpu" else None
+        if opt_section is not None and opt_section.ratio < 1.0:
+            logger.warning(f"zero_optimization.offload_optimizer.ratio={opt_section.ratio} is accepted but has no "
+                           f"effect in this release: the whole optimizer state is kept on the host (see "
+                           f"docs/offload.md)")
+        param_section = zero.offload_param if offload_param == "cpu" else None
         return cls(stage=stage,
                    model_dtype=model_dtype,
                    accum_dtype=cfg.grad_accum_dtype or torch.float32,
@@ -53,6 +69,12 @@ class StageConfig:
                    offload_optimizer="cpu" if offload_optimizer == "cpu" else None,
                    offload_param="cpu" if offload_param == "cpu" else None,
                    pin_memory=bool(zero.offload_optimizer is not None and zero.offload_optimizer.pin_memory),
+                   cpu_cores_perc=float(opt_section.cpuadam_cores_perc) if opt_section is not None else 0.8,
+                   offload_ratio=float(opt_section.ratio) if opt_section is not None else 1.0,
+                   param_pin_memory=bool(param_section is not None and param_section.pin_memory),
+                   param_buffer_count=int(param_section.buffer_count) if param_section is not None else 5,
+                   param_buffer_numel=int(param_section.buffer_size) if param_section is not None else int(1e8),
+                   zenflow=zero.zenflow,
                    unit_numel=max(1, int(zero.stage3_prefetch_bucket_size)),
                    persistence_threshold=int(zero.stage3_param_persistence_threshold))
 

@@ -10,20 +10,40 @@ Whoever consumes the destination waits for the copy's event: the host with
 :meth:`Transfer.wait_stream` (before reading a device tensor). Nothing here blocks the
 host except those two calls.
 
+A host buffer that a copy reads (an upload) or writes (a download) must not be touched by
+the host until that copy completed: whoever reuses such a buffer synchronizes the copy
+first (:class:`PinnedRing` does it for its buffers).
+
 On a machine without CUDA (or for tensors on the CPU) the copies are plain synchronous
 copies and the handles are already complete, so callers need no second code path.
+``DS_OFFLOAD_SYNC=1`` in the environment makes every copy a plain blocking one on CUDA
+too (the reference the pinned/stream path is tested against).
 """
+
+import contextlib
+import os
 
 import torch
 
 
+def synchronous_copies():
+    """Whether copies must be plain blocking ones (``DS_OFFLOAD_SYNC=1``)."""
+    return os.environ.get("DS_OFFLOAD_SYNC", "") == "1"
+
+
 class Transfer:
-    """The completion of one copy (or of nothing, for a synchronous copy)."""
+    """The completion of one copy (or of nothing, for a synchronous copy).
 
-    __slots__ = ("event", )
+    ``stream`` is the side stream the copy ran on (None for a synchronous copy): work queued
+    there afterwards, a collective launched under :meth:`ordered` for instance, runs after it
+    without the compute stream waiting.
+    """
 
-    def __init__(self, event=None):
+    __slots__ = ("event", "stream")
+
+    def __init__(self, event=None, stream=None):
         self.event = event
+        self.stream = stream
 
     def synchronize(self):
         """Block the host until the copy is done (a host destination may be read afterwards)."""
@@ -34,6 +54,16 @@ class Transfer:
         """Make ``stream`` (default: the current one) wait for the copy, without blocking the host."""
         if self.event is not None:
             (stream or torch.cuda.current_stream()).wait_event(self.event)
+
+    def wait(self):
+        """A work handle's ``wait()``: the current stream waits for the copy (the transport's ``wait`` calls it)."""
+        self.wait_stream()
+
+    def ordered(self):
+        """A context whose device work runs after the copy, on its stream (a no-op context when already done)."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
 
     def done(self):
         return self.event is None or self.event.query()
@@ -47,7 +77,9 @@ class HostTransfers:
 
     def __init__(self, device):
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = None
+        if self.device.type == "cuda" and not synchronous_copies():
+            self.stream = torch.cuda.Stream(self.device)
 
     def copy(self, dst, src):
         """Start ``dst.copy_(src)`` where one side is on the device and the other on the host."""
@@ -63,7 +95,19 @@ class HostTransfers:
                     tensor.record_stream(self.stream)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return Transfer(event)
+        return Transfer(event, self.stream)
+
+    def copy_many(self, pairs):
+        """Start ``dst.copy_(src)`` for every ``(dst, src)`` of ``pairs`` in order; one handle for all of them."""
+        last = DONE
+        for dst, src in pairs:
+            last = self.copy(dst, src)
+        return last  # copies on one stream complete in order
+
+    def synchronize(self):
+        """Block the host until every copy issued so far is done."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 def pinned(tensor, pin_memory=True):
@@ -73,22 +117,39 @@ def pinned(tensor, pin_memory=True):
     return tensor
 
 
+def pinned_empty(numel, dtype, pin_memory=True):
+    """A new flat host tensor of ``numel`` elements, allocated page-locked when asked for and a GPU exists."""
+    if pin_memory and torch.cuda.is_available():
+        return torch.empty(int(numel), dtype=dtype, pin_memory=True)
+    return torch.empty(int(numel), dtype=dtype)
+
+
+def is_page_locked(tensor):
+    """Whether an asynchronous copy to or from ``tensor`` can overlap the host (a pinned host tensor)."""
+    return tensor.device.type == "cpu" and torch.cuda.is_available() and tensor.is_pinned()
+
+
 class PinnedRing:
     """``count`` host buffers of ``numel`` elements, handed out in turn; a buffer is reused only after its copy.
 
     ``take(numel)`` returns a view of the next buffer (``numel`` at most the buffer size) and
     waits for the transfer that last used it, so pinned memory stays bounded by
-    ``count * numel`` however many copies are in flight.
+    ``count * numel`` however many copies are in flight. Anything with a ``synchronize()``
+    may mark a buffer in use (a copy's :class:`Transfer`, a host task).
     """
 
     def __init__(self, count, numel, dtype, pin_memory=True):
-        self.buffers = [pinned(torch.empty(max(int(numel), 1), dtype=dtype), pin_memory) for _ in range(count)]
-        self._last = [DONE] * count
+        self.buffers = [pinned_empty(max(int(numel), 1), dtype, pin_memory) for _ in range(max(int(count), 1))]
+        self._last = [DONE] * len(self.buffers)
         self._next = 0
 
     @property
     def numel(self):
         return self.buffers[0].numel()
+
+    @property
+    def dtype(self):
+        return self.buffers[0].dtype
 
     def take(self, numel):
         if numel > self.numel:
@@ -102,3 +163,9 @@ class PinnedRing:
     def used_by(self, index, transfer):
         """Record that buffer ``index`` is in use until ``transfer`` completes."""
         self._last[index] = transfer
+
+    def synchronize(self):
+        """Block until no buffer is in use."""
+        for index, last in enumerate(self._last):
+            last.synchronize()
+            self._last[index] = DONE

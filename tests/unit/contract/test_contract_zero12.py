@@ -9,7 +9,9 @@ tests/unit/contract/test_contract_zero12.py``.
 * core shapes at worlds 1 and 3 (odd: buckets and partitions padded);
 * option sets covering every pair of {offload_optimizer cpu, overlap_comm,
   contiguous_gradients, reduce_scatter, tiny bucket (a parameter larger than a
-  bucket) / default bucket} on core shapes, worlds 2 and 3.
+  bucket) / default bucket} on core shapes, worlds 2 and 3;
+* optimizer offload on both stages x bf16, fp16 x GAS 1, 4 x one backward, several
+  backward calls per micro-step, two losses over a retained graph (world 2).
 """
 
 import itertools
@@ -74,13 +76,37 @@ def _cells():
     return cells
 
 
+# Optimizer offload (host partitions, the host folder's copy-then-add path): stages 1 and 2, GAS 1 and 4, bf16
+# and fp16, several backward calls per step.
+OFFLOAD_SHAPES = ["plain", "n_backward_per_step", "two_losses_retained"]
+
+
+def _offload_cells():
+    cells = []
+    for stage, shape, dtype, gas in itertools.product([1, 2], OFFLOAD_SHAPES, ["bf16", "fp16"], [1, 4]):
+        cells.append(
+            dict(stage=stage,
+                 shape=shape,
+                 dtype=dtype,
+                 gas=gas,
+                 world=2,
+                 bucket=64,
+                 zero_extra={"offload_optimizer": {
+                     "device": "cpu",
+                     "pin_memory": True
+                 }},
+                 offload=True))
+    return cells
+
+
 def _id(cell):
     opt = "" if "options" not in cell else "-opt" + "".join(
         str(int(x > 0)) for x in cell["options"][:4]) + ("-tinybucket" if cell["options"][4] == 16 else "")
-    return f"z{cell['stage']}-{cell['shape']}-{cell['dtype']}-gas{cell['gas']}-w{cell['world']}{opt}"
+    tag = "-offload" if cell.get("offload") else ""
+    return f"z{cell['stage']}-{cell['shape']}-{cell['dtype']}-gas{cell['gas']}-w{cell['world']}{opt}{tag}"
 
 
-CELLS = _cells()
+CELLS = _cells() + _offload_cells()
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[_id(c) for c in CELLS])
@@ -88,6 +114,7 @@ def test_contract_zero12(cell):
     cell = dict(cell)
     world = cell.pop("world")
     cell.pop("options", None)
+    cell.pop("offload", None)
     checked = run_distributed(run_cell, world, args=(cell, ), timeout=120)
     assert all(c >= 2 for c in checked), checked
 

@@ -11,6 +11,8 @@ checks that every non-persistent parameter was released again.
 * a leaf module (``moe_leaf``: a mixture of experts whose router picks experts per token,
   so that an expert runs on one rank and not on another) at worlds 1 and 2, with small
   units, persistent small parameters and offload.
+* optimizer and parameter offload x bf16, fp16 x GAS 1, 4 x one backward, several backward
+  calls per micro-step, two losses over a retained graph (world 2).
 
 Excluded shapes: ``no_sync`` (rejected on stage 3, as upstream) and ``unused_param``
 (a module run on one rank only): ZeRO-3 gathers a module's parameters with a
@@ -51,9 +53,15 @@ VARIANTS = {
          zero_init=True),
 }
 
+# Optimizer and parameter offload x bf16, fp16 x GAS 1, 4 x one backward, several backward calls per micro-step,
+# two losses over a retained graph.
+OFFLOAD_SHAPES = ["plain", "n_backward_per_step", "two_losses_retained"]
+
 
 def _cells():
     cells = []
+    for shape, dtype, gas in itertools.product(OFFLOAD_SHAPES, ["bf16", "fp16"], [1, 4]):
+        cells.append(("offload", dict(stage=3, shape=shape, dtype=dtype, gas=gas), 2))
     for shape, dtype, gas in itertools.product(SHAPES3, ["fp32", "bf16", "fp16"], [1, 4]):
         for world in ([1, 2, 3] if FULL else [2]):
             cells.append(("units", dict(stage=3, shape=shape, dtype=dtype, gas=gas), world))

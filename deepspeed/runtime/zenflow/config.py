@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ``zero_optimization.zenflow`` section and the schedule it resolves to.
+
+Keys and defaults are upstream's:
+
+==========================  ==========  ===========================================================
+key                         default     meaning here
+==========================  ==========  ===========================================================
+``topk_ratio``              0.1         share of each weight's rows (``weight[i]``) updated on the
+                                        device every step; in (0, 1]
+``select_strategy``         "auto"      "step", "epoch", or "auto" (= "epoch" with interval 1)
+``select_interval``         "auto"      steps (or epochs) between selections; a number requires
+                                        "step" or "epoch"
+``update_interval``         "auto"      optimizer steps per host window; "auto": the window closes
+                                        when the unselected gradient has caught up (see below)
+``overlap_step``            false       the host step of a window runs during the next window
+``offload``                 false       the device part's values and moments stay on the host
+                                        between steps (copied in and out around each step)
+``auto_ratio``              0.99        "auto" update interval: share of the weights that must have
+                                        caught up for the window to close
+``full_warm_up_rounds``     0           first optimizer steps that update everything (no selection)
+``pt_reserved_cores_perc``  0.5         share of the cores left to the training thread; the host
+                                        worker takes the rest
+``steps_per_epoch``         None        epoch length in optimizer steps for the "epoch" strategy
+                                        (the engine sets it from its training dataloader)
+==========================  ==========  ===========================================================
+
+Errors (:class:`DeepSpeedConfigError`, raised while the config is parsed, so on every rank
+and before any collective): ``topk_ratio`` outside (0, 1]; a number ``select_interval``
+with strategy "auto" (the strategy fixes the interval); "step"/"epoch" with
+``select_interval`` "auto"; a step-based ``select_interval`` shorter than a numeric
+``update_interval``.
+"""
+
+import dataclasses
+from typing import Optional, Union
+
+from deepspeed.runtime.config_utils import (ConfigSection, DeepSpeedConfigError, boolean, config_field, integer,
+                                            number, one_of, optional)
+
+AUTO = "auto"
+STRATEGIES = ("auto", "step", "epoch")
+
+
+def _interval():
+
+    def parse(value, path):
+        if isinstance(value, str):
+            if value.strip().lower() == AUTO:
+                return AUTO
+            raise DeepSpeedConfigError(f"config key '{path}' must be \"auto\" or a positive integer, got {value!r}")
+        return integer(minimum=1)(value, path)
+
+    return parse
+
+
+@dataclasses.dataclass(frozen=True)
+class ZenFlowConfig(ConfigSection):
+    """Validated ``zero_optimization.zenflow`` settings (see the module docstring)."""
+    topk_ratio: float = config_field(0.1, parse=number(minimum=0.0, maximum=1.0, exclusive_minimum=True))
+    select_strategy: str = config_field("auto", parse=one_of(STRATEGIES))
+    select_interval: Union[str, int] = config_field(AUTO, parse=_interval())
+    update_interval: Union[str, int] = config_field(AUTO, parse=_interval())
+    overlap_step: bool = config_field(False, parse=boolean())
+    offload: bool = config_field(False, parse=boolean())
+    auto_ratio: float = config_field(0.99, parse=number(minimum=0.0, maximum=1.0))
+    full_warm_up_rounds: int = config_field(0, parse=integer(minimum=0))
+    pt_reserved_cores_perc: float = config_field(0.5, parse=number(minimum=0.0, maximum=1.0))
+    steps_per_epoch: Optional[int] = config_field(None, parse=optional(integer(minimum=1)))
+
+    @classmethod
+    def _finalize(cls, values, spelled, path):
+        strategy = values.get("select_strategy", "auto")
+        interval = values.get("select_interval", AUTO)
+        update = values.get("update_interval", AUTO)
+        key = f"{path}.{spelled.get('select_interval', 'select_interval')}"
+        if strategy == "auto" and interval != AUTO:
+            raise DeepSpeedConfigError(f"config key '{key}' = {interval} needs '{path}.select_strategy' \"step\" or "
+                                       f"\"epoch\": with strategy \"auto\" the selection is made once per epoch")
+        if strategy != "auto" and interval == AUTO:
+            raise DeepSpeedConfigError(f"config key '{path}.select_strategy' \"{strategy}\" needs a number for "
+                                       f"'{key}' (how many {strategy}s between selections)")
+        if strategy == "step" and update != AUTO and interval < update:
+            raise DeepSpeedConfigError(f"config key '{key}' = {interval} is shorter than '{path}.update_interval' = "
+                                       f"{update}: the selection can only change between host windows")
+        return values
+
+
+def parse_zenflow(raw, path="zero_optimization.zenflow"):
+    """The :class:`ZenFlowConfig` of a raw ``zenflow`` mapping (None when absent)."""
+    if raw is None:
+        return None
+    if isinstance(raw, ZenFlowConfig):
+        return raw
+    return ZenFlowConfig.from_dict(raw, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """When ZenFlow selects, and how long a host window lasts, in optimizer steps (resolved from the config).
+
+    ``select_every``: steps between selections, or None for "once" (an epoch strategy with no known
+    epoch length); ``update_every``: steps per host window, or None for the "auto" rule.
+    """
+    warm_up: int
+    select_every: Optional[int]
+    update_every: Optional[int]
+    auto_ratio: float
+
+
+def resolve_schedule(cfg, steps_per_epoch=None):
+    """The :class:`Schedule` of ``cfg``; ``steps_per_epoch`` (optimizer steps) comes from the training data."""
+    epoch = cfg.steps_per_epoch or steps_per_epoch
+    strategy, interval = cfg.select_strategy, cfg.select_interval
+    if strategy == "auto":
+        strategy, interval = "epoch", 1
+    if strategy == "epoch":
+        select_every = interval * epoch if epoch else None
+    else:
+        select_every = interval
+    update_every = None if cfg.update_interval == AUTO else int(cfg.update_interval)
+    return Schedule(warm_up=cfg.full_warm_up_rounds,
+                    select_every=select_every,
+                    update_every=update_every,
+                    auto_ratio=cfg.auto_ratio)
+
+
+def check_zenflow_stage(cfg, stage, offload_optimizer):
+    """NotImplementedError / ValueError unless ZenFlow can run on this stage (a pure check: every rank raises)."""
+    if cfg is None:
+        return
+    if stage == 3:
+        raise NotImplementedError("zero_optimization.zenflow is not supported on ZeRO stage 3 in this release; use "
+                                  "stage 1 or 2 (see docs/compatibility.md)")
+    if stage not in (1, 2):
+        raise ValueError(f"zero_optimization.zenflow needs ZeRO stage 1 or 2, got stage {stage}")
+    if offload_optimizer != "cpu":
+        raise ValueError("zero_optimization.zenflow needs 'zero_optimization.offload_optimizer.device' \"cpu\": "
+                         "the unselected part of the gradient is accumulated and stepped on the host")

@@ -1,0 +1,178 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The optimizer step of offloaded (host) fp32 masters, and the way its 16-bit result reaches the device.
+
+:class:`HostStep` is what ZeRO stages 1-3 run at the boundary when ``offload_optimizer`` puts
+the masters and the optimizer state on the host:
+
+1. the inner optimizer steps the host masters with ``offload_optimizer.cpuadam_cores_perc``
+   of the cores (torch's intra-op threads, restored afterwards);
+2. the updated masters, in the model dtype, land in *16-bit targets*: pinned host buffers
+   (``uploads``, one per param group, the shape of the group's partition) by default, or
+   the host 16-bit shards of ZeRO-3 parameter offload. An optimizer whose ``step`` takes
+   ``fp16_param_groups`` (``DeepSpeedCPUAdam``) writes them in the same pass; any other
+   optimizer steps and the masters are cast afterwards;
+3. the targets are uploaded with asynchronous copies on a side stream
+   (:meth:`gather_into` for stages 1 and 2: per bucket, each bucket's upload overlapping the
+   previous bucket's all-gather; :meth:`upload` for ZeRO-3 shards on the device). The
+   compute stream waits for them on the device, never the host.
+
+Before the step writes the targets again, the host waits for the copies that read them
+(a buffer an asynchronous copy reads must not change under it).
+
+After anything else changed the masters (a checkpoint load, ``safe_set_full_fp32_param``),
+:meth:`refresh` recomputes the targets from them; :meth:`gather_into` and the stages do so
+when the step did not just write them (``fresh``).
+"""
+
+import inspect
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.host_worker import cores_for, threads
+from deepspeed.runtime.zero.profiling import ds_range
+from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned_empty
+
+# Elements cast per chunk when the masters are cast into the targets after the step.
+CAST_CHUNK = 1 << 24
+
+
+def writes_16bit_copy(optimizer):
+    """Whether ``optimizer.step`` accepts ``fp16_param_groups`` (it then writes the 16-bit copy in its pass)."""
+    try:
+        return "fp16_param_groups" in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class HostStep:
+    """Steps host masters and moves their 16-bit values to the device (see the module docstring).
+
+    ``masters[g]`` is param group ``g``'s flat fp32 master on the host (the inner optimizer steps
+    it); ``targets`` (default: new pinned buffers) are the 16-bit tensors, one per group, that
+    receive the masters after each step.
+    """
+
+    def __init__(self,
+                 optimizer,
+                 masters,
+                 model_dtype,
+                 device,
+                 *,
+                 pin_memory,
+                 cores_perc=0.8,
+                 threads=None,
+                 targets=None):
+        self.optimizer = optimizer
+        self.masters = masters
+        self.model_dtype = model_dtype
+        self.device = torch.device(device)
+        self.threads = int(threads) if threads else cores_for(cores_perc)
+        if targets is None:
+            targets = [pinned_empty(m.numel(), model_dtype, pin_memory) for m in masters]
+        self.targets = targets
+        self.transfers = HostTransfers(self.device)
+        self._fused_copy = writes_16bit_copy(optimizer)
+        self._reading = DONE  # the last copy that reads the targets
+        self.fresh = False  # the targets hold the masters' current values
+
+    def _target_groups(self, optimizer):
+        return [[self.targets[g]] if group["params"] else [] for g, group in enumerate(optimizer.param_groups)]
+
+    def wait_readers(self, extra=None):
+        """Block until no asynchronous copy reads the targets (``extra``: another copy handle to wait for)."""
+        self._reading.synchronize()
+        self._reading = DONE
+        if extra is not None:
+            extra.synchronize()
+
+    @torch.no_grad()
+    def step(self, before_write=None, optimizer=None, threads_n=None):
+        """One step of the inner optimizer on the host masters; the targets then hold their 16-bit values.
+
+        ``before_write`` (a handle with ``synchronize()``) is waited for before the targets are written:
+        copies from the targets that are not this object's own (ZeRO-3 parameter fetches). ``optimizer``
+        steps instead of the inner one (a snapshot of it: same parameters and state); ``threads_n`` is the
+        thread count of the calling thread for this step (default: ``self.threads``).
+        """
+        optimizer = optimizer or self.optimizer
+        self.wait_readers(before_write)
+        with ds_range("DS::host_step"), threads(threads_n or self.threads):
+            if self._fused_copy:
+                optimizer.step(fp16_param_groups=self._target_groups(optimizer))
+            else:
+                optimizer.step()
+                self._cast_into_targets()
+        self.fresh = True
+
+    @torch.no_grad()
+    def refresh(self, before_write=None):
+        """Recompute the targets from the masters (they changed outside a step)."""
+        self.wait_readers(before_write)
+        with threads(self.threads):
+            self._cast_into_targets()
+        self.fresh = True
+
+    def _cast_into_targets(self):
+        for master, target in zip(self.masters, self.targets):
+            numel = master.numel()
+            for start in range(0, numel, CAST_CHUNK):
+                length = min(CAST_CHUNK, numel - start)
+                grad_ops.cast_copy([target.narrow(0, start, length)], [master.data.narrow(0, start, length)])
+
+    # ----------------------------------------------------------------- uploads
+    def upload(self, dsts):
+        """Copy each target into ``dsts[g]`` (device tensors of its shape) on the side stream; the compute stream
+        waits for them on the device."""
+        if not self.fresh:
+            self.refresh()
+        self.fresh = False
+        with ds_range("DS::upload"):
+            last = self.transfers.copy_many([(dst, src) for dst, src in zip(dsts, self.targets) if dst is not None])
+        self._reading = last
+        last.wait_stream()
+
+    @torch.no_grad()
+    def upload_own(self, layout, flat_params):
+        """Copy this rank's chunk of every bucket into its place in the flat 16-bit parameters (no collective); the
+        compute stream waits for the copies."""
+        if not self.fresh:
+            self.refresh()
+        self.fresh = False
+        with ds_range("DS::upload"):
+            last = self.transfers.copy_many([(layout.bucket_own_chunk_full(flat_params, bucket),
+                                              layout.bucket_part(self.targets[bucket.group], bucket))
+                                             for bucket in layout.buckets])
+        self._reading = last
+        last.wait_stream()
+
+    @torch.no_grad()
+    def gather_into(self, layout, flat_params, group):
+        """Stages 1/2: put every rank's updated partition into the flat 16-bit parameters (a collective).
+
+        Bucket by bucket: this rank's chunk is uploaded on the side stream, and the bucket's all-gather
+        is launched behind that copy on the same stream, so the next bucket's upload overlaps it; the
+        compute stream waits for the last of them.
+        """
+        if not self.fresh:
+            self.refresh()
+        self.fresh = False
+        world = layout.world_size
+        works = []
+        last = DONE
+        with ds_range("DS::upload_all_gather"):
+            for bucket in layout.buckets:
+                src = layout.bucket_part(self.targets[bucket.group], bucket)
+                out = layout.bucket_full(flat_params, bucket)
+                if world == 1:
+                    last = self.transfers.copy(out, src)
+                    continue
+                send = torch.empty(bucket.chunk, dtype=flat_params.dtype, device=flat_params.device)
+                last = self.transfers.copy(send, src)
+                with last.ordered():
+                    works.append(dist.all_gather_into_tensor(out, send, group=group, async_op=True))
+            self._reading = last
+            last.wait_stream()
+            for work in works:
+                work.wait()

@@ -1,0 +1,268 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Offload on one GPU: the pinned/stream path gives the same numbers as the plain path, and the contract holds.
+
+Two checks, in one process (world 1, NCCL; ``DS_GPU_TESTS_ON_CPU=1`` runs them on the CPU over gloo):
+
+* *paths*: each offload configuration (ZeRO-1/2 optimizer offload, pinned and pageable; ZeRO-3
+  optimizer and parameter offload, pinned and through the staging ring; ZenFlow, overlapped and
+  with its device part offloaded) trains the same model twice from the same weights on the
+  same data: once with the asynchronous path (side streams, events, host worker threads), once
+  with ``DS_OFFLOAD_SYNC=1`` (every copy a plain blocking one). Every parameter must be equal,
+  bit for bit, after every step: the streams only change when copies happen, never what they
+  copy;
+* *contract*: cells of the gradient contract (``tests.unit.contract.runner.run_cell``) with
+  offload on the GPU (stages 1-3, GAS 1 and 4, bf16 and fp16, several backward calls per step)
+  against the plain-torch reference.
+
+* ``python -m pytest tests/gpu/test_offload_paths.py`` : one test per case; skipped without CUDA;
+* ``python -m tests.gpu.test_offload_paths [SUBSTRING...]`` : one line per case, then ``N passed, M failed``.
+"""
+
+import contextlib
+import copy
+import os
+import socket
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ON_CPU = os.environ.get("DS_GPU_TESTS_ON_CPU") == "1"
+pytestmark = pytest.mark.gpu
+
+PIN = {"device": "cpu", "pin_memory": True}
+PAGEABLE = {"device": "cpu", "pin_memory": False}
+SMALL_UNITS = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 2000}
+ZENFLOW = {"topk_ratio": 0.2, "update_interval": 2, "select_strategy": "step", "select_interval": 4}
+
+PATH_CASES = {
+    "z1-offload-pinned-gas4":
+    dict(stage=1, gas=4, zero={"offload_optimizer": PIN}),
+    "z2-offload-pinned-gas4":
+    dict(stage=2, gas=4, zero={"offload_optimizer": PIN}),
+    "z2-offload-pageable-gas2":
+    dict(stage=2, gas=2, zero={"offload_optimizer": PAGEABLE}),
+    "z2-offload-pinned-fp16":
+    dict(stage=2, gas=2, dtype="fp16", zero={"offload_optimizer": PIN}),
+    "z3-offload-both-pinned":
+    dict(stage=3, gas=2, zero=dict(SMALL_UNITS, offload_optimizer=PIN, offload_param=PIN)),
+    "z3-offload-param-ring":
+    dict(stage=3,
+         gas=2,
+         zero=dict(SMALL_UNITS, offload_optimizer=PIN, offload_param=dict(PAGEABLE, buffer_count=2, buffer_size=700))),
+    "z3-offload-optimizer-only":
+    dict(stage=3, gas=1, zero=dict(SMALL_UNITS, offload_optimizer=PIN)),
+    "zenflow-overlap":
+    dict(stage=2, gas=2, zero={
+        "offload_optimizer": PIN,
+        "zenflow": dict(ZENFLOW, overlap_step=True)
+    }),
+    "zenflow-device-part-offload":
+    dict(stage=2,
+         gas=1,
+         zero={
+             "offload_optimizer": PIN,
+             "zenflow": dict(ZENFLOW, offload=True, full_warm_up_rounds=1)
+         }),
+}
+
+CONTRACT_CELLS = []
+for _stage in (1, 2, 3):
+    for _shape, _dtype, _gas in (("plain", "bf16", 1), ("n_backward_per_step", "bf16", 4), ("plain", "fp16", 4),
+                                 ("two_losses_retained", "bf16", 4)):
+        _extra = {"offload_optimizer": PIN, "overlap_comm": True}
+        if _stage == 3:
+            _extra.update(SMALL_UNITS, stage3_prefetch_bucket_size=100, offload_param=PIN)
+        CONTRACT_CELLS.append(
+            dict(id=f"contract-z{_stage}-{_shape}-{_dtype}-gas{_gas}",
+                 stage=_stage,
+                 shape=_shape,
+                 dtype=_dtype,
+                 gas=_gas,
+                 bucket=64,
+                 zero_extra=_extra))
+
+
+class _Model(torch.nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def _config(case):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": case["gas"],
+        "gradient_clipping": 1.0,
+        "steps_per_print": float("inf"),
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-2
+            }
+        },
+        "zero_optimization": dict({
+            "stage": case["stage"],
+            "reduce_bucket_size": 700
+        }, **case["zero"]),
+    }
+    if case.get("dtype", "bf16") == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    else:
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+@contextlib.contextmanager
+def _sync_copies(enabled):
+    before = os.environ.get("DS_OFFLOAD_SYNC")
+    os.environ["DS_OFFLOAD_SYNC"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DS_OFFLOAD_SYNC", None)
+        else:
+            os.environ["DS_OFFLOAD_SYNC"] = before
+
+
+def _train(case, device, sync, steps=4):
+    import deepspeed
+    torch.manual_seed(0)
+    model = _Model()
+    history = []
+    with _sync_copies(sync):
+        engine = deepspeed.initialize(model=copy.deepcopy(model), config=_config(case))[0]
+        try:
+            for step in range(steps):
+                for micro in range(case["gas"]):
+                    gen = torch.Generator().manual_seed(100 * step + micro)
+                    tokens = torch.randint(0, 64, (4, 16), generator=gen).to(device)
+                    logits = engine(tokens)
+                    loss = F.cross_entropy(logits.float().reshape(-1, 64), tokens.roll(1, 1).reshape(-1))
+                    engine.backward(loss)
+                    engine.step()
+                if case["stage"] == 3:
+                    from deepspeed.utils import safe_get_full_fp32_param
+                    history.append([safe_get_full_fp32_param(p).detach().cpu() for p in engine.module.parameters()])
+                else:
+                    history.append([p.detach().float().cpu().clone() for p in engine.module.parameters()])
+        finally:
+            engine.destroy()
+    return history
+
+
+def check_paths(name):
+    """Streamed and synchronous copies give bit-identical parameters after every step."""
+    case = PATH_CASES[name]
+    device = _device()
+    streamed = _train(case, device, sync=False)
+    plain = _train(case, device, sync=True)
+    for step, (a, b) in enumerate(zip(streamed, plain)):
+        for index, (x, y) in enumerate(zip(a, b)):
+            if not torch.equal(x, y):
+                diff = (x - y).abs().max().item()
+                raise AssertionError(f"{name}: step {step} parameter {index} differs between the stream path and the "
+                                     f"plain path (max abs diff {diff:g})")
+    moved = any(not torch.equal(x, y) for x, y in zip(streamed[0], streamed[-1]))
+    assert moved, f"{name}: parameters did not change over the run"
+    return f"{len(streamed)} steps identical"
+
+
+def check_contract(cell_id):
+    from tests.unit.contract.runner import run_cell
+    cell = dict(next(c for c in CONTRACT_CELLS if c["id"] == cell_id))
+    cell.pop("id")
+    cell["device"] = "cpu" if ON_CPU else "cuda"
+    if cell["stage"] == 3:
+        cell["zero_init"] = True
+    checked = run_cell(cell)
+    assert checked >= 2, f"only {checked} steps checked"
+    return f"{checked} steps checked"
+
+
+def _device():
+    return torch.device("cpu") if ON_CPU else torch.device("cuda", 0)
+
+
+def skip_reason():
+    if ON_CPU:
+        return None
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    return None
+
+
+def _init():
+    import deepspeed
+    import deepspeed.comm as dist
+    if dist.is_initialized():
+        return
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    if ON_CPU:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    else:
+        torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="gloo" if ON_CPU else "nccl", verbose=False)
+
+
+ALL = [("paths-" + n, check_paths, n) for n in sorted(PATH_CASES)] + [(c["id"], check_contract, c["id"])
+                                                                      for c in CONTRACT_CELLS]
+
+
+@pytest.mark.parametrize("case_id", [c[0] for c in ALL])
+def test_offload_paths(case_id):
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    _init()
+    _, fn, arg = next(c for c in ALL if c[0] == case_id)
+    fn(arg)
+
+
+def main(argv):
+    reason = skip_reason()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        print("0 passed, 0 failed")
+        return 0
+    _init()
+    failed, passed = [], 0
+    start = time.perf_counter()
+    for case_id, fn, arg in ALL:
+        if argv and not any(s in case_id for s in argv):
+            continue
+        t0 = time.perf_counter()
+        try:
+            message = fn(arg)
+        except Exception:
+            failed.append(case_id)
+            print(f"FAIL {case_id}\n{traceback.format_exc()}", flush=True)
+            continue
+        passed += 1
+        print(f"PASS {case_id}: {message} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    print(f"{passed} passed, {len(failed)} failed ({time.perf_counter() - start:.0f}s, "
+          f"{'gloo/CPU' if ON_CPU else 'NCCL/CUDA'})")
+    if failed:
+        print("failed: " + " ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
