@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a gradient audit found: :class:`AuditReport`, and the arithmetic that turns sums into errors.
+
+For direction ``k`` the audit has two numbers for the realized move ``d_k`` of the parameters:
+
+* ``dF_k = F(theta + d_k / 2) - F(theta - d_k / 2)``: the change of the window's loss ``F``,
+  computed by forward passes only (a central difference): the reference;
+* ``gd_k = <g, d_k>``: the same change predicted by the gradient ``g`` the optimizer is about
+  to use.
+
+They agree, up to the difference's truncation and the forward's rounding, exactly when
+``g`` is the derivative of ``F`` along ``d_k``. The relative error of a direction is the
+discrepancy relative to the typical loss change along a move of that length:
+
+    |gd_k - dF_k| / (|d_k| * max(rms_j(dF_j / |d_j|), |g| / (2 sqrt(N))))
+
+``rms_j(dF_j / |d_j|)`` is the root mean square, over the audit's directions, of the loss
+change per unit move (the directional derivatives the loss gives); ``|g| / sqrt(N)`` is the
+typical size of ``<g, d / |d|>`` for a random direction over ``N`` elements, halved (a floor
+for an audit of one direction, or a loss that does not move). The scale is the same for
+every direction: the noise of the check (truncation, rounding) does not shrink when a
+direction happens to be nearly orthogonal to the gradient, so dividing by that direction's
+own ``|dF_k|`` would turn noise into large errors. What errors look like: a gradient twice
+too large gives about ``|z_k|``, the direction's derivative relative to the typical one (a
+standard normal value; the largest of four is above 0.25 with a probability of 99.8%, above
+0.5 of 98%); a missing part of the gradient (a zeroed group, a detached branch) about its
+share of ``|g|`` times such a value. The check is probabilistic: see docs/audit.md.
+
+Defaults by the dtype of the model's parameters (what the forward computes in), chosen by the
+measurements in docs/audit.md: the step is where the central difference's truncation (which
+grows as the step squared) meets the forward's rounding (which grows as one over the step);
+the tolerance is at least twice the largest error the true gradient showed there, and below
+what a gradient twice too large gave.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import torch
+
+DEFAULT_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 0.25, torch.float16: 0.1}
+
+# Each element moves by about this fraction of the root mean square of all the parameters.
+RELATIVE_STEP = {torch.float32: 3e-3, torch.bfloat16: 3e-2, torch.float16: 2e-2}
+
+
+def default_tolerance(dtype):
+    return DEFAULT_TOLERANCE.get(dtype, DEFAULT_TOLERANCE[torch.float32])
+
+
+def relative_step(dtype):
+    return RELATIVE_STEP.get(dtype, RELATIVE_STEP[torch.float32])
+
+
+def relative_error(gd, df, scale):
+    """``|gd - df| / scale`` (see the module docstring); 0 when both are 0, inf when not finite or not scalable."""
+    if not all(math.isfinite(v) for v in (gd, df, scale)):
+        return math.inf
+    if scale == 0.0:
+        return 0.0 if gd == df else math.inf
+    return abs(gd - df) / scale
+
+
+def error_scale(move_norm, unit_changes, typical):
+    """The typical loss change for a move of length ``move_norm`` (the denominator of :func:`relative_error`).
+
+    ``unit_changes``: the loss change per unit move of each of the audit's directions; ``typical``:
+    the root mean square of ``<g, d>`` over random moves ``d`` like this one."""
+    rms = math.sqrt(sum(u * u for u in unit_changes) / len(unit_changes)) if unit_changes else 0.0
+    return max(move_norm * rms, 0.5 * typical)
+
+
+@dataclass(frozen=True)
+class DirectionResult:
+    """One direction: its relative error and both sides along the unit vector of the realized move."""
+    index: int
+    relative_error: float
+    directional_derivative: float  # (F(+) - F(-)) / |d|: from forward passes of the loss
+    gradient_projection: float  # <g, d> / |d|: from the gradient the optimizer is about to use
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """One parameter group. ``relative_error`` is measured along a direction inside the group only; it is
+    measured when the audit found a mismatch and there are several groups (else None)."""
+    index: int
+    name: str
+    numel: int
+    grad_norm: float
+    relative_error: Optional[float] = None
+    mismatch: bool = False
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """The result of ``engine.audit_gradients``; equal on every rank (it is computed from all-reduced sums).
+
+    ``ok``: every direction's relative error is within ``tolerance`` (or the audit was skipped,
+    see ``skipped``). ``dominant_groups``: names of the groups whose own check failed, largest
+    discrepancy first (empty when ``ok``).
+    """
+    ok: bool
+    max_rel_error: float
+    rel_errors: Tuple[float, ...]
+    tolerance: float
+    dominant_groups: Tuple[str, ...] = ()
+    directions: Tuple[DirectionResult, ...] = ()
+    groups: Tuple[GroupResult, ...] = ()
+    dtype: str = "float32"
+    seed: int = 0
+    relative_step: float = 0.0  # each parameter moves by about this fraction of its root mean square
+    forward_passes: int = 0  # window evaluations the audit ran (each: loss_fn on every micro-batch)
+    method: str = "central_difference"
+    skipped: Optional[str] = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def summary(self):
+        """One line for the log."""
+        if self.skipped is not None:
+            return f"gradient audit skipped: {self.skipped}"
+        verdict = "ok" if self.ok else "MISMATCH"
+        errors = ", ".join(f"{e:.2e}" for e in self.rel_errors)
+        line = (f"gradient audit {verdict}: max relative error {self.max_rel_error:.3e} (tolerance "
+                f"{self.tolerance:.1e}, {self.dtype}, {len(self.rel_errors)} directions: {errors})")
+        if not self.ok and self.dominant_groups:
+            worst = {g.name: g for g in self.groups}
+            parts = []
+            for name in self.dominant_groups:
+                err = worst[name].relative_error
+                parts.append(name if err is None else f"{name} (relative error {err:.2e})")
+            line += "; mismatch in " + ", ".join(parts)
+        return line
+
+    def __str__(self):
+        return self.summary()
