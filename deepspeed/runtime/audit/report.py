@@ -62,13 +62,20 @@ def relative_error(gd, df, scale):
     return abs(gd - df) / scale
 
 
-def error_scale(move_norm, unit_changes, typical):
+def _rms(values):
+    return math.sqrt(sum(v * v for v in values) / len(values)) if values else 0.0
+
+
+def error_scale(move_norm, unit_changes, typical, reference_changes=()):
     """The typical loss change for a move of length ``move_norm`` (the denominator of :func:`relative_error`).
 
     ``unit_changes``: the loss change per unit move of each of the audit's directions; ``typical``:
-    the root mean square of ``<g, d>`` over random moves ``d`` like this one."""
-    rms = math.sqrt(sum(u * u for u in unit_changes) / len(unit_changes)) if unit_changes else 0.0
-    return max(move_norm * rms, 0.5 * typical)
+    the root mean square of ``<g, d>`` over random moves ``d`` like this one. A group's own check
+    also passes the whole model's ``unit_changes`` as ``reference_changes``: a group whose loss
+    moves less than the model's on average is measured against the model's, so the forward's
+    rounding (the same whatever moves) does not make a small group look wrong."""
+    return move_norm * max(_rms(unit_changes), _rms(reference_changes),
+                           0.5 * typical / move_norm if move_norm else 0.0)
 
 
 @dataclass(frozen=True)
