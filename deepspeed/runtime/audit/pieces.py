@@ -16,7 +16,9 @@ master, or the parameter itself for stage 0 in fp32) and their window gradient
   *realized* difference takes the rounding of the perturbation out of the comparison.
 
 Pieces are grouped for the report: by optimizer param group (``name`` of the group dict,
-else ``param_group_<i>``), or by a label the caller computes from each parameter's name.
+else ``param_group_<i>``); when the engine trains a single param group, which would localise
+nothing, by the module's top-level children (the first part of each parameter's name); or by
+a label the caller computes from each parameter's name.
 """
 
 from dataclasses import dataclass
@@ -59,6 +61,10 @@ def _optimizer_groups(stage):
         for p in param_group["params"]:
             index.setdefault(id(p), g)
     return {p: index.get(id(stage.fp32_param(p)), 0) for p in stage.params}
+
+
+def _top_level(name):
+    return name.split(".", 1)[0]
 
 
 def _flat(tensor, length, what, name):
@@ -111,6 +117,8 @@ class LocalPieces:
         if group_by is None:
             by_param = _optimizer_groups(stage)
             used = sorted({by_param[p] for p in params})
+            if len(used) == 1:
+                return LocalPieces._groups(stage, params, named, _top_level)
             param_groups = stage.optimizer.param_groups
             labels = []
             for g in used:
