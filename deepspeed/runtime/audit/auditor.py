@@ -210,7 +210,7 @@ class GradientAuditor:
                            dominant_groups=dominant,
                            directions=tuple(dirs),
                            groups=group_results,
-                           forward_passes=window.evaluations,
+                           window_evaluations=window.evaluations,
                            **common)
 
     @staticmethod

@@ -117,7 +117,7 @@ class AuditReport:
     dtype: str = "float32"
     seed: int = 0
     relative_step: float = 0.0  # each parameter moves by about this fraction of its root mean square
-    forward_passes: int = 0  # window evaluations the audit ran (each: loss_fn on every micro-batch)
+    window_evaluations: int = 0  # forward passes of the window the audit ran (each: loss_fn on every micro-batch)
     method: str = "central_difference"
     skipped: Optional[str] = None
     extra: dict = field(default_factory=dict, compare=False)
