@@ -21,7 +21,7 @@ The check, for each of ``directions`` random directions ``v`` (see ``directions.
 3. one all-reduce brings every rank's sums together; ``report.py`` compares
    ``F(+) - F(-)`` with ``<g, d>``.
 
-``h`` is a fixed fraction (by dtype) of the root mean square of the engine's parameters,
+``h`` is a fixed fraction (by precision) of the root mean square of the engine's parameters,
 the same for every element. The derivative comes from forward passes only, so nothing of
 the backward path (hooks, the session, scaling, reduction, partitioning) takes part in it.
 Applied shard-locally, the central difference never materialises a whole direction: its
@@ -49,8 +49,8 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.audit.directions import DirectionStream, mix_seed
 from deepspeed.runtime.audit.pieces import LocalPieces
-from deepspeed.runtime.audit.report import (AuditReport, DirectionResult, GroupResult, default_tolerance, error_scale,
-                                            relative_error, relative_step)
+from deepspeed.runtime.audit.report import (AuditReport, DirectionResult, GroupResult, compute_precision,
+                                            default_tolerance, error_scale, relative_error, relative_step)
 from deepspeed.runtime.zero.profiling import ds_range
 
 AUDIT_SEED = 0x6175646974  # the default seed is mixed from this and the engine's global step
@@ -101,7 +101,7 @@ def _rows(vector, stage):
     return rows
 
 
-def _check_arguments(loss_fn, micro_batches, directions, tolerance):
+def _check_arguments(loss_fn, micro_batches, directions, tolerance, group_by):
     if not callable(loss_fn):
         raise TypeError(f"audit_gradients: loss_fn must be a callable(engine, batch), got {type(loss_fn).__name__}")
     if isinstance(micro_batches, (str, bytes)) or not hasattr(micro_batches, "__iter__"):
@@ -112,6 +112,9 @@ def _check_arguments(loss_fn, micro_batches, directions, tolerance):
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                                   or not tolerance > 0 or not math.isfinite(tolerance)):
         raise ValueError(f"audit_gradients: tolerance must be a positive number or None, got {tolerance!r}")
+    if group_by is not None and not callable(group_by):
+        raise TypeError(f"audit_gradients: group_by must be None or a callable(name) -> label, got "
+                        f"{type(group_by).__name__}")
 
 
 class GradientAuditor:
@@ -132,7 +135,7 @@ class GradientAuditor:
         stage = engine._stage
         if stage is None:
             raise RuntimeError("audit_gradients needs an engine with an optimizer (there is no gradient to audit)")
-        _check_arguments(loss_fn, micro_batches, directions, tolerance)
+        _check_arguments(loss_fn, micro_batches, directions, tolerance, group_by)
         batches = list(micro_batches)
         if rng_states is not None and len(rng_states) != len(batches):
             raise ValueError("audit_gradients: one generator state per micro-batch is needed")
@@ -160,11 +163,11 @@ class GradientAuditor:
         # Replicated: every rank holds the whole model; rank 0's sums make the steps the same everywhere.
         theta = stats[0, 1:1 + params] if replicated else stats[:, 1:1 + params].sum(0)
         grad_rows = stats[:, 1 + params:] if replicated else stats[:, 1 + params:].sum(0, keepdim=True)  # [R, P]
-        dtype = stage.config.model_dtype
-        tol = float(tolerance) if tolerance is not None else default_tolerance(dtype)
+        precision = compute_precision(stage.config.model_dtype, engine.module)
+        tol = float(tolerance) if tolerance is not None else default_tolerance(precision)
         seed = int(seed) if seed is not None else mix_seed(AUDIT_SEED, engine.global_steps)
-        eta = relative_step(dtype)
-        common = dict(tolerance=tol, dtype=str(dtype).replace("torch.", ""), seed=seed, relative_step=eta)
+        eta = relative_step(precision)
+        common = dict(tolerance=tol, precision=precision, seed=seed, relative_step=eta)
         if stage.config.requires_loss_scale and not bool(torch.isfinite(grad_rows).all()):
             return AuditReport(ok=True,
                                max_rel_error=0.0,
@@ -265,13 +268,12 @@ class _Evaluation:
         gas = stage.clock.gradient_accumulation_steps()
         divisor = stage.world_size if stage.config.average else 1
         self.scale = 1.0 / (gas * divisor)
-        self.numel = pieces.numel
         self.local_directions = min(directions, LOCAL_DIRECTIONS)
         self.group_numel = pieces.group_numel
         groups = len(pieces.labels)
         losses = rows[:, :2 * directions].sum(0)  # every rank's micro-batches count
         self.df = ((losses[0::2] - losses[1::2]) * self.scale).tolist()
-        moves = rows[:, 2 * directions:].reshape(rows.shape[0], directions, 2, groups)
+        moves = rows[:, 2 * directions:].cpu().reshape(rows.shape[0], directions, 2, groups)
         if not replicated:
             moves = moves.sum(0, keepdim=True)
         else:

@@ -68,7 +68,7 @@ def _top_level(name):
 
 
 def _flat(tensor, length, what, name):
-    flat = tensor.view(-1)  # a view, never a copy: the audit writes through it
+    flat = tensor.detach().view(-1)  # a view, never a copy: the audit writes through it
     if flat.numel() < length:
         raise RuntimeError(f"the stage's {what} of {name} has {flat.numel()} elements, expected at least {length}")
     return flat.narrow(0, 0, length)

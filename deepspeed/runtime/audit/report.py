@@ -26,7 +26,7 @@ standard normal value; the largest of four is above 0.25 with a probability of 9
 0.5 of 98%); a missing part of the gradient (a zeroed group, a detached branch) about its
 share of ``|g|`` times such a value. The check is probabilistic: see docs/audit.md.
 
-Defaults by the dtype of the model's parameters (what the forward computes in), chosen by the
+Defaults by the precision the forward computes in (the model's dtype, or tf32), chosen by the
 measurements in docs/audit.md: the step is where the central difference's truncation (which
 grows as the step squared) meets the forward's rounding (which grows as one over the step);
 the tolerance is at least twice the largest error the true gradient showed there, and below
@@ -34,23 +34,47 @@ what a gradient twice too large gave.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
-DEFAULT_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 0.25, torch.float16: 0.1}
+# By the precision the forward computes in (see compute_precision): (relative step, default tolerance).
+# Each element moves by about ``relative step`` times the root mean square of all the parameters.
+PRECISIONS = {
+    "fp32": (5e-3, 2e-2),
+    "tf32": (2e-2, 0.15),  # fp32 weights, matmuls or convolutions in tf32 (10 mantissa bits, as fp16); not measured
+    "fp16": (2e-2, 0.15),
+    "bf16": (3e-2, 0.25),
+}
+_OF_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-# Each element moves by about this fraction of the root mean square of all the parameters.
-RELATIVE_STEP = {torch.float32: 3e-3, torch.bfloat16: 3e-2, torch.float16: 2e-2}
+
+def compute_precision(model_dtype, module=None):
+    """The precision the forward of an engine's model computes in: its dtype's, or for fp32 weights on CUDA with
+    reduced-precision float32 matmuls (``torch.backends.cuda.matmul.allow_tf32``, or a float32 matmul precision
+    below "highest"), or convolutions in a model with convolutions under ``torch.backends.cudnn.allow_tf32``,
+    "tf32" (or "bf16" for the matmul precision "medium")."""
+    precision = _OF_DTYPE.get(model_dtype, "fp32")
+    if precision != "fp32" or not torch.cuda.is_available():
+        return precision
+    matmul = torch.get_float32_matmul_precision()
+    if matmul == "medium":
+        return "bf16"
+    if matmul == "high" or torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    if torch.backends.cudnn.allow_tf32 and module is not None and any(
+            isinstance(m, torch.nn.modules.conv._ConvNd) for m in module.modules()):
+        return "tf32"
+    return precision
 
 
-def default_tolerance(dtype):
-    return DEFAULT_TOLERANCE.get(dtype, DEFAULT_TOLERANCE[torch.float32])
+def default_tolerance(precision):
+    return PRECISIONS[precision][1]
 
 
-def relative_step(dtype):
-    return RELATIVE_STEP.get(dtype, RELATIVE_STEP[torch.float32])
+def relative_step(precision):
+    return PRECISIONS[precision][0]
 
 
 def relative_error(gd, df, scale):
@@ -114,13 +138,12 @@ class AuditReport:
     dominant_groups: Tuple[str, ...] = ()
     directions: Tuple[DirectionResult, ...] = ()
     groups: Tuple[GroupResult, ...] = ()
-    dtype: str = "float32"
+    precision: str = "fp32"  # what the forward computes in (see compute_precision)
     seed: int = 0
-    relative_step: float = 0.0  # each parameter moves by about this fraction of its root mean square
+    relative_step: float = 0.0  # each element moves by about this fraction of the parameters' root mean square
     window_evaluations: int = 0  # forward passes of the window the audit ran (each: loss_fn on every micro-batch)
     method: str = "central_difference"
     skipped: Optional[str] = None
-    extra: dict = field(default_factory=dict, compare=False)
 
     def summary(self):
         """One line for the log."""
@@ -129,7 +152,7 @@ class AuditReport:
         verdict = "ok" if self.ok else "MISMATCH"
         errors = ", ".join(f"{e:.2e}" for e in self.rel_errors)
         line = (f"gradient audit {verdict}: max relative error {self.max_rel_error:.3e} (tolerance "
-                f"{self.tolerance:.1e}, {self.dtype}, {len(self.rel_errors)} directions: {errors})")
+                f"{self.tolerance:.1e}, {self.precision}, {len(self.rel_errors)} directions: {errors})")
         if not self.ok and self.dominant_groups:
             worst = {g.name: g for g in self.groups}
             parts = []

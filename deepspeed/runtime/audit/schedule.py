@@ -114,7 +114,7 @@ class AuditSchedule:
 
     def on_forward(self, inputs, kwargs):
         """Start of an engine forward: in an audited window, keep its inputs and the generators' state."""
-        if self.explicit or not torch.is_grad_enabled() or not self._recording():
+        if not self.config.enabled or self.explicit or not torch.is_grad_enabled() or not self._recording():
             return
         self._batches.append((ForwardInputs(_detached(inputs), _detached(kwargs)), RngState()))
 

@@ -82,7 +82,7 @@ def projections(stage):
     values = [p.detach().float() for _, p in named]
     numel = sum(v.numel() for v in values)
     rms = math.sqrt(sum(float(v.double().square().sum()) for v in values) / numel)
-    step = relative_step(torch.float32) * rms
+    step = relative_step("fp32") * rms
     stream = DirectionStream(11)
     expected = []
     for k in range(len(report.directions)):
