@@ -106,3 +106,27 @@ def test_numbers_match_plain_torch(stage):
     for (projection, derivative), want in zip(got, expected):
         assert projection == pytest.approx(want, rel=1e-5, abs=1e-9)
         assert derivative == pytest.approx(want, rel=1e-2, abs=1e-6)
+
+
+def test_the_forwards_precision_picks_the_defaults(monkeypatch):
+    from deepspeed.runtime.audit.report import PRECISIONS, compute_precision, default_tolerance, relative_step
+    assert [compute_precision(d) for d in (torch.float32, torch.float16, torch.bfloat16)] == ["fp32", "fp16", "bf16"]
+    assert default_tolerance("fp32") < default_tolerance("fp16") < default_tolerance("bf16")
+    assert all(relative_step(p) > 0 for p in PRECISIONS)
+    # fp32 weights on CUDA: the float32 matmul precision decides; convolutions follow cudnn's tf32 switch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    linear, conv = torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Conv1d(1, 1, 1))
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert compute_precision(torch.float32, linear) == "fp32"
+        assert compute_precision(torch.float32, conv) == "tf32"
+        assert compute_precision(torch.bfloat16, conv) == "bf16"
+        torch.set_float32_matmul_precision("high")
+        assert compute_precision(torch.float32, linear) == "tf32"
+        torch.set_float32_matmul_precision("medium")
+        assert compute_precision(torch.float32, linear) == "bf16"
+    finally:
+        torch.set_float32_matmul_precision(before)
