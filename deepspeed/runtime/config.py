@@ -396,7 +396,8 @@ class DeepSpeedConfig:
                                        "supported; remove the 'elasticity' section and set the batch sizes directly")
 
     def _initialize_observability(self, param_dict: dict) -> None:
-        """The monitor, comms logger, flops profiler and eigenvalue sections (typed: unknown keys raise)."""
+        """The monitor, comms logger, flops profiler, eigenvalue and gradient audit sections (typed: unknown keys
+        raise)."""
         from deepspeed.comm.config import DeepSpeedCommsConfig
         from deepspeed.monitor.config import get_monitor_config
         from deepspeed.profiling.config import get_flops_profiler_config
@@ -413,6 +414,8 @@ class DeepSpeedConfig:
         self.eigenvalue_gas_boundary_resolution = ev.gas_boundary_resolution
         self.eigenvalue_layer_name = ev.layer_name
         self.eigenvalue_layer_num = ev.layer_num
+        from deepspeed.runtime.audit.config import get_gradient_audit_config
+        self.gradient_audit_config = get_gradient_audit_config(param_dict)
 
     def _initialize_precision(self, param_dict: dict) -> None:
         self.float16_config: DeepSpeedFP16Config = get_float16_config(param_dict)

@@ -213,6 +213,7 @@ KNOWN_TOP_LEVEL_KEYS = frozenset({
     "compression_training",
     "quantize_training",
     "eigenvalue",
+    "gradient_audit",
     "graph_harvesting",
     "hybrid_engine",
     "sparse_attention",

@@ -19,6 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.ops import grad_ops_native
 from deepspeed.runtime import agreement, engine_lifecycle, lr_schedules
 from deepspeed.runtime.accumulation import AccumulationWindow
+from deepspeed.runtime.audit import AuditSchedule, auditing
 from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
@@ -102,6 +103,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if self.basic_optimizer is not None:
             self._configure_stage()
             self._instruments.attach_stage(self._stage)
+        self._audit = AuditSchedule(self, cfg.gradient_audit_config)
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None
@@ -341,13 +343,34 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def is_compiled(self):
         return self._is_compiled
 
+    # ----------------------------------------------------------- gradient audit
+    def audit_gradients(self, loss_fn, micro_batches, directions=4, seed=None, tolerance=None, group_by=None):
+        """Check that the window gradient is the derivative of the window's loss (see docs/audit.md).
+
+        Call it on every rank after the window's last backward and before ``step()``;
+        ``loss_fn(engine, batch)`` recomputes one micro-step's loss for each of this rank's
+        ``micro_batches``. Returns an :class:`~deepspeed.runtime.audit.AuditReport`, equal on every
+        rank; the gradient, the weights and the random generators are left as they were.
+        """
+        return self._audit.audit(loss_fn, micro_batches, directions, seed, tolerance, group_by)
+
+    def set_audit_loss_fn(self, loss_fn):
+        """The ``loss_fn(engine, batch)`` the ``gradient_audit`` config section audits with (None: none)."""
+        self._audit.set_loss_fn(loss_fn)
+
+    def record_audit_batch(self, batch):
+        """Give the ``gradient_audit`` section this micro-step's batch (instead of the forward's inputs)."""
+        self._audit.record(batch)
+
     # ----------------------------------------------------- forward / backward
     def forward(self, *inputs, **kwargs):
         registry.discard_stale_sessions()
         if self._config.fp16_enabled and self._config.fp16_auto_cast:
             inputs = _cast_floats(inputs, torch.float16)
             kwargs = _cast_floats(kwargs, torch.float16)
-        with self._instruments.forward():
+        self._audit.on_forward(inputs, kwargs)
+        # The audit's own forward passes are not training: they are neither timed nor profiled.
+        with self._instruments.forward() if not auditing() else contextlib.nullcontext():
             outputs = self.module(*inputs, **kwargs)
         if self._stage is not None:
             if torch.is_grad_enabled():
@@ -397,6 +420,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         registry.discard_stale_sessions()
         with self.window.stepping():
             boundary = self.is_gradient_accumulation_boundary()
+            if boundary:
+                self._audit.before_step()
             if boundary and self._stage is not None and self._stage.window_is_empty():
                 self._skip_empty_step()
                 return
@@ -442,6 +467,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def zero_grad(self, set_to_none=True):
         """Discard the gradients of the current accumulation window (and any failed backward's state)."""
         registry.discard_stale_sessions()
+        self._audit.discard_window()
         if self._stage is not None:
             self._stage.zero_window()
         else:
