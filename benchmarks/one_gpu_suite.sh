@@ -20,31 +20,31 @@ small=(--d-model 512 --layers 48 --heads 8 --vocab 8192 --seq 512 --micro-batch 
 bf16acc='{"data_types": {"grad_accum_dtype": "bf16"}}'
 
 echo "== A native kernels: rejection of bad input"
-timeout "${T_A:-70}" python3 -m pytest tests/gpu/test_native_ops.py -q -x -p no:cacheprovider -k rejects \
+timeout "${T_A:-50}" python3 -m pytest tests/gpu/test_native_ops.py -q -x -p no:cacheprovider -k rejects \
     >"$OUT/native_rejects.log" 2>&1
 tail -n 1 "$OUT/native_rejects.log"
 
 echo "== B launch-bound model"
-timeout "${T_B:-90}" python3 benchmarks/train_bench.py --systems ddp,ds_zero0,ds_zero1,ds_zero2,ds_zero3,fsdp2 \
-    "${small[@]}" --warmup 3 --steps 10 --out "$OUT/launch_bound.md" >"$OUT/launch_bound.log" 2>&1
+timeout "${T_B:-70}" python3 benchmarks/train_bench.py --systems ddp,ds_zero0,ds_zero1,ds_zero2,ds_zero3,fsdp2 \
+    "${small[@]}" --warmup 3 --steps 8 --out "$OUT/launch_bound.md" >"$OUT/launch_bound.log" 2>&1
 grep "^| " "$OUT/launch_bound.md"
 
 echo "== C reference model, bf16 accumulation: ours, then upstream"
-timeout "${T_C1:-70}" python3 benchmarks/train_bench.py --systems ds_zero1,ds_zero2,ds_zero3 --warmup 2 --steps 4 \
+timeout "${T_C1:-50}" python3 benchmarks/train_bench.py --systems ds_zero1,ds_zero2,ds_zero3 --warmup 1 --steps 3 \
     --ds-extra "$bf16acc" --out "$OUT/reference_ours.md" >"$OUT/reference_ours.log" 2>&1
 grep "^| " "$OUT/reference_ours.md"
-DS_BENCH_UPSTREAM=1 PYTHONPATH=/tmp/upstream timeout "${T_C2:-90}" python3 benchmarks/train_bench.py \
-    --systems ds_zero1,ds_zero2,ds_zero3 --warmup 2 --steps 4 \
+DS_BENCH_UPSTREAM=1 PYTHONPATH=/tmp/upstream timeout "${T_C2:-70}" python3 benchmarks/train_bench.py \
+    --systems ds_zero1,ds_zero2,ds_zero3 --warmup 1 --steps 3 \
     --ds-extra '{"optimizer": {"params": {"torch_adam": true}}}' --out "$OUT/reference_upstream.md" \
     >"$OUT/reference_upstream.log" 2>&1
 grep "deepspeed\b.*from\|^| " "$OUT/reference_upstream.log" | grep -v "^| ---" | head -6
 
 echo "== D offload and ZenFlow"
-T_TESTS=${T_TESTS:-1} T_OURS=${T_OURS:-90} T_UPSTREAM=${T_UPSTREAM:-130} \
+T_TESTS=${T_TESTS:-1} T_OURS=${T_OURS:-80} T_UPSTREAM=${T_UPSTREAM:-130} \
     bash benchmarks/offload_bench.sh "$WHEELS" "$OUT/offload" 3 2 ds_zero2+offload,ds_zero3+offload,ds_zero2+zenflow \
     ds_zero2+offload,ds_zero3+offload 2 | grep "^| "
 
 echo "== E gradient audit cost"
-timeout "${T_E:-80}" python3 benchmarks/bench_audit.py --stage 2 --repeats 2 --out "$OUT/audit.md" \
+timeout "${T_E:-70}" python3 benchmarks/bench_audit.py --stage 2 --repeats 2 --out "$OUT/audit.md" \
     >"$OUT/audit.log" 2>&1
 grep "^| \|^- " "$OUT/audit.md" 2>/dev/null || tail -n 5 "$OUT/audit.log"
