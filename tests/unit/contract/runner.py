@@ -177,6 +177,11 @@ def run_cell(cell):
                     device,
                     divisor=1 if summed else world,
                     accum_dtype=accum_dtype)
+    if cell.get("zero_init"):  # the engines' models are built partitioned, inside zero.Init (the same initial values)
+        torch.manual_seed(0)
+        with deepspeed.zero.Init():
+            models = [build_model(kind) for kind in shape.models]
+        assert all(hasattr(p, "ds_id") for m in models for p in m.parameters()), "zero.Init did not partition"
     compiled = cell.get("compile")  # None, "torch" (torch.compile before initialize) or "engine" (engine.compile)
     if compiled == "torch":
         models = [torch.compile(m, backend=cell.get("backend", "inductor")) for m in models]
