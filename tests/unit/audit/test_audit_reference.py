@@ -115,8 +115,11 @@ def test_the_forwards_precision_picks_the_defaults(monkeypatch):
     assert all(relative_step(p) > 0 for p in PRECISIONS)
     # fp32 weights on CUDA: the float32 matmul precision decides; convolutions follow cudnn's tf32 switch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    # The tf32 switches are properties of torch's backend modules: set and restore them by hand (monkeypatch's
+    # undo deletes attributes it did not find in the instance's __dict__, which these modules refuse).
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = True
     linear, conv = torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Conv1d(1, 1, 1))
     before = torch.get_float32_matmul_precision()
     try:
@@ -130,3 +133,4 @@ def test_the_forwards_precision_picks_the_defaults(monkeypatch):
         assert compute_precision(torch.float32, linear) == "bf16"
     finally:
         torch.set_float32_matmul_precision(before)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
