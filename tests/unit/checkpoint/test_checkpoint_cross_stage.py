@@ -115,18 +115,8 @@ def load_worker(tmp, stage, dtype, at_save, final, offload=False):
     common.train(engine, 3, 3, rank, batch_fn=reshard.shard_fn(rank, world))
     after = snapshot(engine)
     engine.destroy()
-    expected = reference_params(6) if dtype == "fp32" else None
-    tol = reshard.FP32_TOL if dtype == "fp32" else reshard.BF16_TOL
-    for name in (n for n in after if n.startswith("fp32/")):
-        torch.testing.assert_close(after[name],
-                                   final[name],
-                                   **tol,
-                                   msg=lambda m, name=name: f"rank {rank}: {name} vs the run that never stopped: {m}")
-        if expected is not None:
-            torch.testing.assert_close(after[name],
-                                       expected[name[len("fp32/"):]],
-                                       **reshard.FP32_TOL,
-                                       msg=lambda m, name=name: f"rank {rank}: {name} vs plain torch: {m}")
+    reshard.check_continuation(after, final, reference_params(6) if dtype == "fp32" else None, dtype, rank,
+                               "the run that never stopped")
     return True
 
 

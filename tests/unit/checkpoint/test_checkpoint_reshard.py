@@ -96,19 +96,25 @@ def load_worker(tmp, stage, dtype, bucket, at_save, final):
     common.train(engine, 3, 3, rank, batch_fn=shard_fn(rank, world))
     after = common.snapshot(engine)
     engine.destroy()
-    expected = reference_params(6) if dtype == "fp32" else None
+    check_continuation(after, final, reference_params(6) if dtype == "fp32" else None, dtype, rank,
+                       "the never-resharded run")
+    return True
+
+
+def check_continuation(after, final, expected, dtype, rank, what):
+    """The fp32 parameters after the loaded engine's extra steps equal ``final`` (``what``: the run they came from)
+    and, where given, ``expected`` (plain torch's after the same steps, by parameter name)."""
+    tol = FP32_TOL if dtype == "fp32" else BF16_TOL
     for name in (n for n in after if n.startswith("fp32/")):
-        tol = FP32_TOL if dtype == "fp32" else BF16_TOL
         torch.testing.assert_close(after[name],
                                    final[name],
                                    **tol,
-                                   msg=lambda m, name=name: f"rank {rank}: {name} vs the never-resharded run: {m}")
+                                   msg=lambda m, name=name: f"rank {rank}: {name} vs {what}: {m}")
         if expected is not None:
             torch.testing.assert_close(after[name],
                                        expected[name[len("fp32/"):]],
                                        **FP32_TOL,
                                        msg=lambda m, name=name: f"rank {rank}: {name} vs plain torch: {m}")
-    return True
 
 
 CELLS = [
