@@ -20,9 +20,8 @@ import socket
 import sys
 from typing import List, Mapping, Optional, Sequence
 
-from deepspeed.launcher.constants import (ELASTIC_TRAINING_ID_DEFAULT, IMPI_LAUNCHER, MPICH_LAUNCHER,
-                                          MVAPICH_LAUNCHER, OPENMPI_LAUNCHER, SLURM_LAUNCHER,
-                                          TORCH_DISTRIBUTED_DEFAULT_PORT)
+from deepspeed.launcher.constants import (ELASTIC_TRAINING_ID_DEFAULT, IMPI_LAUNCHER, MPICH_LAUNCHER, MVAPICH_LAUNCHER,
+                                          OPENMPI_LAUNCHER, SLURM_LAUNCHER, TORCH_DISTRIBUTED_DEFAULT_PORT)
 from deepspeed.launcher.controller import STOPPED_EXIT_CODE, ControllerLink
 from deepspeed.launcher.plan import VISIBLE_DEVICES_ENV, decode_world_info
 

@@ -76,8 +76,8 @@ class MVAPICHRunner(_MPIRunner):
         super().__init__(args, world_info_base64)
         # Upstream's MVAPICH settings: no CMA (missing on Ubuntu), backtraces, deep-learning support, no affinity.
         for key, value in (("MV2_SMP_USE_CMA", "0"), ("MV2_DEBUG_SHOW_BACKTRACE", "1"), ("MV2_SUPPORT_DL", "1"),
-                           ("MV2_ENABLE_AFFINITY", "0"), ("MV2_INTER_ALLGATHER_TUNING", "5"),
-                           ("MV2_CUDA_USE_NAIVE", "0")):
+                           ("MV2_ENABLE_AFFINITY", "0"), ("MV2_INTER_ALLGATHER_TUNING", "5"), ("MV2_CUDA_USE_NAIVE",
+                                                                                               "0")):
             self.add_export(key, value)
 
     def backend_exists(self) -> bool:

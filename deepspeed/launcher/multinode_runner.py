@@ -160,9 +160,9 @@ from deepspeed.launcher.ssh_runner import SSHRunner  # noqa: E402
 from deepspeed.launcher.mpi_runners import IMPIRunner, MPICHRunner, MVAPICHRunner, OpenMPIRunner  # noqa: E402
 from deepspeed.launcher.slurm_runner import SlurmRunner  # noqa: E402
 
-LAUNCHER_CLASSES = OrderedDict((cls.launcher_name, cls) for cls in (PDSHRunner, SSHRunner, OpenMPIRunner,
-                                                                   MPICHRunner, IMPIRunner, MVAPICHRunner,
-                                                                   SlurmRunner))
+LAUNCHER_CLASSES = OrderedDict(
+    (cls.launcher_name, cls)
+    for cls in (PDSHRunner, SSHRunner, OpenMPIRunner, MPICHRunner, IMPIRunner, MVAPICHRunner, SlurmRunner))
 
 __all__ = [
     "MultiNodeRunner", "Transport", "AgentOptions", "PDSHRunner", "SSHRunner", "OpenMPIRunner", "MPICHRunner",

@@ -27,8 +27,8 @@ from deepspeed.launcher.environment import (DEEPSPEED_ENVIRONMENT_NAME, EXCLUDE_
                                             environment_file_paths, exported_environment, prepend_launch_dir,
                                             read_environment_files)
 from deepspeed.launcher.multinode_runner import LAUNCHER_CLASSES, AgentOptions, node_agent_command
-from deepspeed.launcher.plan import (DLTS_HOSTFILE, VISIBLE_DEVICES_ENV, JobPlan, encode_world_info,
-                                     fetch_hostfile, parse_inclusion_exclusion, parse_resource_filter, plan_job)
+from deepspeed.launcher.plan import (DLTS_HOSTFILE, VISIBLE_DEVICES_ENV, JobPlan, encode_world_info, fetch_hostfile,
+                                     parse_inclusion_exclusion, parse_resource_filter, plan_job)
 from deepspeed.launcher.ssh_runner import ssh_base_command
 
 __all__ = [
@@ -231,11 +231,12 @@ def controller_address(hosts: Sequence[str], environ: Mapping[str, str]) -> tupl
 def ssh_preflight(hosts: Sequence[str], ssh_port: Optional[int]) -> None:
     """Check, in parallel, that every host answers a password-less ssh; RuntimeError naming those that do not."""
     base = ssh_base_command(ssh_port, ["-o", "PasswordAuthentication=no", "-o", "ConnectTimeout=10"])
-    checks = [(host, subprocess.Popen(base + [host, "hostname"],
-                                      stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE,
-                                      text=True)) for host in hosts]
+    checks = [(host,
+               subprocess.Popen(base + [host, "hostname"],
+                                stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE,
+                                text=True)) for host in hosts]
     unreachable = []
     for host, check in checks:
         try:
@@ -260,8 +261,8 @@ def _stop_transport(process: subprocess.Popen, signum: int) -> None:
         pass
 
 
-def supervise(plan: JobPlan, runner, controller: JobController, options: AgentOptions,
-              environ: Mapping[str, str]) -> int:
+def supervise(plan: JobPlan, runner, controller: JobController, options: AgentOptions, environ: Mapping[str,
+                                                                                                        str]) -> int:
     """Start the transports and wait for every node; return the job's exit status (see the module doc)."""
     start_timeout = float(environ.get(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S))
     transports = runner.transports(plan, options, environ)
@@ -321,8 +322,8 @@ def launch_all_nodes(args: argparse.Namespace, plan: JobPlan, environ: Mapping[s
     world_info = encode_world_info(plan.hosts)
     runner = runner_cls(args, world_info)
     if not runner.backend_exists():
-        raise RuntimeError(f"launcher {args.launcher!r} is not installed on this node (its program is not on PATH)"
-                           + ("; --launcher ssh needs only ssh" if args.launcher == PDSH_LAUNCHER else ""))
+        raise RuntimeError(f"launcher {args.launcher!r} is not installed on this node (its program is not on PATH)" +
+                           ("; --launcher ssh needs only ssh" if args.launcher == PDSH_LAUNCHER else ""))
     cwd = os.path.abspath(".")
     from deepspeed.accelerator import get_accelerator
     exports = exported_environment(environ, cwd, read_environment_files(environment_file_paths(environ=environ)),

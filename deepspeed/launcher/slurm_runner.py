@@ -24,8 +24,8 @@ class SlurmRunner(MultiNodeRunner):
     def transports(self, plan: JobPlan, options: AgentOptions, environment: Mapping[str, str]) -> List[Transport]:
         argv = [
             "srun", "-n",
-            str(plan.num_nodes), "--ntasks-per-node=1", f"--nodes={plan.num_nodes}", f"--nodelist={','.join(plan.hosts)}",
-            "--kill-on-bad-exit=1"
+            str(plan.num_nodes), "--ntasks-per-node=1", f"--nodes={plan.num_nodes}",
+            f"--nodelist={','.join(plan.hosts)}", "--kill-on-bad-exit=1"
         ] + self.launcher_args() + ["--export=ALL"]
         argv += self.wrap_venv(self.agent_command(plan, options, "-1"))
         env = dict(environment)

@@ -57,8 +57,11 @@ def job(tmp_path):
 
 
 def _deepspeed(job, *argv, fail_rank=None):
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", "hostfile", "--master_port",
-           str(_free_port()), *argv, CHECK_SCRIPT, str(job["out"])]
+    cmd = [
+        sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", "hostfile", "--master_port",
+        str(_free_port()), *argv, CHECK_SCRIPT,
+        str(job["out"])
+    ]
     cmd += [] if fail_rank is None else [str(fail_rank)]
     return subprocess.run(cmd, cwd=job["cwd"], env=job["env"], capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
 
@@ -105,8 +108,10 @@ def test_two_nodes_of_two(job, launcher):
 
 def test_srun_without_the_launcher(job):
     env = dict(job["env"], MASTER_PORT=str(_free_port()))
-    cmd = ["srun", "-n", "4", "--ntasks-per-node=2", "--nodelist=127.0.0.[1-2]", sys.executable, CHECK_SCRIPT,
-           str(job["out"])]
+    cmd = [
+        "srun", "-n", "4", "--ntasks-per-node=2", "--nodelist=127.0.0.[1-2]", sys.executable, CHECK_SCRIPT,
+        str(job["out"])
+    ]
     done = subprocess.run(cmd, cwd=job["cwd"], env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]
     _check_world(_records(job["out"]), passes_local_rank=False, cross_rank=False)

@@ -29,7 +29,9 @@ def plan_for(argv, device_count=0, environ=None):
 
 
 def test_hostfile_grammar():
-    lines = ["# the workers\n", "\n", "worker-0 slots=4\n", "  worker-1   slots=2   # trailing comment\n", "w2 slots=1"]
+    lines = [
+        "# the workers\n", "\n", "worker-0 slots=4\n", "  worker-1   slots=2   # trailing comment\n", "w2 slots=1"
+    ]
     assert plan.parse_hostfile(lines) == OrderedDict([("worker-0", 4), ("worker-1", 2), ("w2", 1)])
     assert list(plan.parse_hostfile(lines)) == ["worker-0", "worker-1", "w2"]
 
@@ -141,22 +143,24 @@ def test_plan(tmp_path, argv, hostfile, device_count, environ, expected):
     assert job.devices_from_env == ("CUDA_VISIBLE_DEVICES" in environ and argv == [])
 
 
-@pytest.mark.parametrize("argv, hostfile, device_count", [
-    (["--num_nodes", "2"], None, 0),  # no --node_rank and no hostfile
-    (["--num_nodes", "2", "--node_rank", "1"], None, 0),  # no --master_addr
-    (["--num_nodes", "2", "--node_rank", "2", "--master_addr", "a"], None, 0),
-    (["--force_multi"], None, 0),
-    (["--include", "localhost:0", "--exclude", "localhost:1"], None, 2),
-    (["--include", "localhost:0", "--num_gpus", "1"], None, 2),
-    (["--include", "localhost:5"], None, 2),
-    (["--include", "otherhost"], None, 2),
-    (["--num_gpus", "3"], None, 2),
-    (["--num_gpus", "0"], None, 2),
-    (["--no_ssh"], THREE_HOSTS, 0),  # which node?
-    (["--no_ssh", "--node_rank", "3"], THREE_HOSTS, 0),
-    (["--num_nodes", "4"], THREE_HOSTS, 0),
-    (["--no_ssh", "--node_rank", "0"], THREE_HOSTS, 2),  # node 0 has 4 slots, this machine 2 GPUs
-])
+@pytest.mark.parametrize(
+    "argv, hostfile, device_count",
+    [
+        (["--num_nodes", "2"], None, 0),  # no --node_rank and no hostfile
+        (["--num_nodes", "2", "--node_rank", "1"], None, 0),  # no --master_addr
+        (["--num_nodes", "2", "--node_rank", "2", "--master_addr", "a"], None, 0),
+        (["--force_multi"], None, 0),
+        (["--include", "localhost:0", "--exclude", "localhost:1"], None, 2),
+        (["--include", "localhost:0", "--num_gpus", "1"], None, 2),
+        (["--include", "localhost:5"], None, 2),
+        (["--include", "otherhost"], None, 2),
+        (["--num_gpus", "3"], None, 2),
+        (["--num_gpus", "0"], None, 2),
+        (["--no_ssh"], THREE_HOSTS, 0),  # which node?
+        (["--no_ssh", "--node_rank", "3"], THREE_HOSTS, 0),
+        (["--num_nodes", "4"], THREE_HOSTS, 0),
+        (["--no_ssh", "--node_rank", "0"], THREE_HOSTS, 2),  # node 0 has 4 slots, this machine 2 GPUs
+    ])
 def test_invalid_plans(tmp_path, argv, hostfile, device_count):
     hostfile_argv = ["--hostfile", write_hostfile(tmp_path, hostfile)] if hostfile else NO_HOSTFILE
     with pytest.raises(ValueError):
@@ -195,7 +199,7 @@ def _agent_args(*argv):
 
 # yapf: disable
 TORCHRUN_CASES = [
-    ([ "train.py", "--a"], 2, 1, 3,
+    (["train.py", "--a"], 2, 1, 3,
      ["--nproc_per_node=3", "--nnodes=2", "--node_rank=1", "--master_addr=m", "--master_port=7", "train.py", LR,
       "--a"]),
     (["--no_local_rank", "--module", "pkg.train"], 1, 0, 1,
@@ -220,8 +224,8 @@ def test_torchrun_argv(argv, num_nodes, node_rank, nproc, expected):
 
 
 def test_torchrun_argv_with_core_binding():
-    argv = launch.torchrun_argv(_agent_args("--bind_cores_to_rank", "--bind_core_list=0-3", "--module", "pkg"), 1,
-                                0, 2)
+    argv = launch.torchrun_argv(_agent_args("--bind_cores_to_rank", "--bind_core_list=0-3", "--module", "pkg"), 1, 0,
+                                2)
     assert argv[5:] == [
         "--no_python", launch.sys.executable, "-u", "-m", "deepspeed.launcher.core_binding", "--module",
         "--bind_core_list=0-3", "pkg", LR
@@ -230,8 +234,8 @@ def test_torchrun_argv_with_core_binding():
 
 def test_elastic_bounds():
     with pytest.raises(ValueError):
-        launch.elastic_nnodes(_agent_args("--elastic_training", "--min_elastic_nodes=3", "--max_elastic_nodes=2",
-                                          "x"), 2)
+        launch.elastic_nnodes(_agent_args("--elastic_training", "--min_elastic_nodes=3", "--max_elastic_nodes=2", "x"),
+                              2)
 
 
 # yapf: disable
