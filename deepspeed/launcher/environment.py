@@ -75,8 +75,10 @@ def prepend_launch_dir(pythonpath: Optional[str], launch_dir: str) -> str:
     return launch_dir + (os.pathsep + pythonpath if pythonpath else "")
 
 
-def exported_environment(environ: Mapping[str, str], launch_dir: str, file_values: Optional[Mapping[str, str]] = None,
-                         extra_prefixes: Iterable[str] = ()) -> "OrderedDict[str, str]":
+def exported_environment(environ: Mapping[str, str],
+                         launch_dir: str,
+                         file_values: Optional[Mapping[str, str]] = None,
+                         extra_prefixes: Iterable[str] = ()) -> "OrderedDict":
     """The variables a multi-node launcher sets on every node, in the order they are applied.
 
     ``environ`` is the launching shell's environment, ``file_values`` what ``read_environment_files`` found.
