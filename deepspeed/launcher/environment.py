@@ -16,7 +16,7 @@ environment, never through a shell.
 
 import os
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
 DEEPSPEED_ENVIRONMENT_FILE_VAR = "DS_ENV_FILE"
@@ -75,13 +75,11 @@ def prepend_launch_dir(pythonpath: Optional[str], launch_dir: str) -> str:
     return launch_dir + (os.pathsep + pythonpath if pythonpath else "")
 
 
-def exported_environment(environ: Mapping[str, str],
-                         launch_dir: str,
-                         file_values: Optional[Mapping[str, str]] = None,
-                         extra_prefixes: Iterable[str] = ()) -> "OrderedDict":
+def exported_environment(environ, launch_dir, file_values=None, extra_prefixes=()) -> "OrderedDict[str, str]":
     """The variables a multi-node launcher sets on every node, in the order they are applied.
 
-    ``environ`` is the launching shell's environment, ``file_values`` what ``read_environment_files`` found.
+    ``environ`` is the launching shell's environment (a mapping), ``launch_dir`` the directory put first on
+    ``PYTHONPATH``, ``file_values`` what ``read_environment_files`` found, ``extra_prefixes`` the accelerator's.
     """
     prefixes = tuple(EXPORT_ENVS) + tuple(p for p in extra_prefixes if p not in EXPORT_ENVS)
     held_back = set()
