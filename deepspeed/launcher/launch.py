@@ -211,6 +211,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{tag}: workers stopped", file=sys.stderr, flush=True)
     except _StopRequested:
         code, stopped = STOPPED_EXIT_CODE, True
+    except ConnectionError as error:
+        print(f"{tag}: {error}", file=sys.stderr, flush=True)
+        code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
         if link is not None:

@@ -14,6 +14,7 @@ failed first; Ctrl-C stops every node; over ssh and pdsh every host is checked b
 
 import argparse
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,14 +28,21 @@ from deepspeed.launcher.environment import (DEEPSPEED_ENVIRONMENT_NAME, EXCLUDE_
                                             environment_file_paths, exported_environment, prepend_launch_dir,
                                             read_environment_files)
 from deepspeed.launcher.multinode_runner import LAUNCHER_CLASSES, AgentOptions, node_agent_command
-from deepspeed.launcher.plan import (DLTS_HOSTFILE, VISIBLE_DEVICES_ENV, JobPlan, encode_world_info, fetch_hostfile,
-                                     parse_inclusion_exclusion, parse_resource_filter, plan_job)
+from deepspeed.launcher.constants import PDSH_MAX_FAN_OUT  # noqa: F401 (upstream's name here)
+from deepspeed.launcher.plan import (DLTS_HOSTFILE, VISIBLE_DEVICES_ENV, JobPlan, apply_num_nodes_and_gpus,
+                                     encode_world_info, fetch_hostfile, parse_hostfile, parse_inclusion_exclusion,
+                                     parse_resource_filter, plan_job)
 from deepspeed.launcher.ssh_runner import ssh_base_command
 
 __all__ = [
-    "DEEPSPEED_ENVIRONMENT_NAME", "EXPORT_ENVS", "EXCLUDE_ENVS", "encode_world_info", "fetch_hostfile",
-    "parse_inclusion_exclusion", "parse_resource_filter", "parse_args", "main"
+    "DEEPSPEED_ENVIRONMENT_NAME", "DEEPSPEED_ENVIRONMENT_PATHS", "EXPORT_ENVS", "EXCLUDE_ENVS", "LAUNCHER_CLASSES",
+    "PDSH_MAX_FAN_OUT", "DLTS_HOSTFILE", "encode_world_info", "fetch_hostfile", "parse_inclusion_exclusion",
+    "parse_resource_filter", "apply_num_nodes_and_gpus", "parse_args", "main"
 ]
+
+# Upstream's names for what now lives in plan.py and environment.py.
+_parse_hostfile = parse_hostfile
+DEEPSPEED_ENVIRONMENT_PATHS = [os.path.expanduser("~"), "."]
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CONTROLLER_ADDR_ENV = "DS_LAUNCHER_CONTROLLER_ADDR"
@@ -228,9 +236,13 @@ def controller_address(hosts: Sequence[str], environ: Mapping[str, str]) -> tupl
     return "", socket.gethostname()
 
 
-def ssh_preflight(hosts: Sequence[str], ssh_port: Optional[int]) -> None:
-    """Check, in parallel, that every host answers a password-less ssh; RuntimeError naming those that do not."""
-    base = ssh_base_command(ssh_port, ["-o", "PasswordAuthentication=no", "-o", "ConnectTimeout=10"])
+def ssh_preflight(hosts: Sequence[str], ssh_port: Optional[int], ssh_args: Sequence[str] = ()) -> None:
+    """Check, in parallel, that every host answers a password-less ssh; RuntimeError naming those that do not.
+
+    ``ssh_args`` are the options the launch itself will give ssh (a key, a user), so the check asks what the
+    launch will.
+    """
+    base = ssh_base_command(ssh_port, ["-o", "PasswordAuthentication=no", "-o", "ConnectTimeout=10", *ssh_args])
     checks = [(host,
                subprocess.Popen(base + [host, "hostname"],
                                 stdin=subprocess.DEVNULL,
@@ -269,11 +281,11 @@ def supervise(plan: JobPlan, runner, controller: JobController, options: AgentOp
     interrupted: List[int] = []
 
     def on_signal(signum, _frame):
+        # Only noted here: the wait loop tells the nodes, outside whatever controller call this interrupted.
         if interrupted:  # a second Ctrl-C: do not wait for the nodes any longer
             for _, process in running:
                 _stop_transport(process, signal.SIGKILL)
         interrupted.append(signum)
-        controller.stop_all()
 
     running = []
     with _signals_handled(on_signal):
@@ -284,6 +296,8 @@ def supervise(plan: JobPlan, runner, controller: JobController, options: AgentOp
         stop_since = None
         pending = list(running)
         while pending:
+            if interrupted and not controller.stopping:
+                controller.stop_all()
             controller.poll(0.2)
             for transport, process in list(pending):
                 if process.poll() is None:
@@ -331,7 +345,10 @@ def launch_all_nodes(args: argparse.Namespace, plan: JobPlan, environ: Mapping[s
     for key, value in exports.items():
         runner.add_export(key, value)
     if runner.uses_ssh and not args.no_ssh_check:
-        ssh_preflight(list(plan.hosts), args.ssh_port)
+        # ssh's own options: --launcher_args for the ssh launcher, PDSH_SSH_ARGS_APPEND for pdsh's ssh.
+        ssh_args = runner.launcher_args() if args.launcher == "ssh" else shlex.split(
+            environ.get("PDSH_SSH_ARGS_APPEND", ""))
+        ssh_preflight(list(plan.hosts), args.ssh_port, ssh_args)
     runner.prepare(plan)
     bind_addr, advertised = controller_address(list(plan.hosts), environ)
     controller = JobController(list(plan.hosts), bind_addr=bind_addr)
