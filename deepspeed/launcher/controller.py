@@ -174,13 +174,14 @@ class JobController:
             self.failures.append(Failure(node, report.host, rank, code, reason))
             self.stop_all()
 
-    def record_transport_failure(self, node: Optional[int], code: int, what: str) -> None:
-        """A transport (ssh, pdsh, mpirun, srun) exited non-zero: fail the nodes it served that never reported."""
+    def record_transport_failure(self, node: Optional[int], code: int, reason: str) -> None:
+        """A transport (ssh, pdsh, mpirun, srun) failed: fail the nodes it served that never reported (all of them
+        when ``node`` is None), giving ``reason``."""
         nodes = [node] if node is not None else list(self.nodes)
         for index in nodes:
             report = self.nodes[index]
             if report.exit_code is None:
-                self._record_exit(index, code, None, stopped=self.stopping, reason=f": {what} exited with code {code}")
+                self._record_exit(index, code, None, stopped=self.stopping, reason=f": {reason}")
 
     def stop_all(self) -> None:
         self.stopping = True

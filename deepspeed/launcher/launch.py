@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from typing import List, Mapping, Optional, Sequence
 
 from deepspeed.launcher.constants import (ELASTIC_TRAINING_ID_DEFAULT, IMPI_LAUNCHER, MPICH_LAUNCHER, MVAPICH_LAUNCHER,
@@ -28,6 +29,10 @@ from deepspeed.launcher.plan import VISIBLE_DEVICES_ENV, decode_world_info
 PID_FILE_BASEPATH = "/tmp"
 LOCAL_RANK_MACRO = "${local_rank}"
 ELASTIC_MAX_RESTARTS = 3
+# How long a requested stop may take before the agent stops itself (see ``request_stop``), with workers
+# running (torchrun gives them 30 s after SIGTERM) and without.
+HARD_STOP_AFTER_S = 60.0
+HARD_STOP_IDLE_AFTER_S = 2.0
 # Where each launcher puts the index of the task (one task per node): the node's index.
 NODE_RANK_ENVS = {
     OPENMPI_LAUNCHER: ("OMPI_COMM_WORLD_RANK", ),
@@ -145,6 +150,39 @@ def _failure_of(error) -> tuple:
     return rank, (128 - code if code < 0 else code) or 1
 
 
+def _child_pids() -> List[int]:
+    """This process's children (Linux ``/proc``; empty where it cannot be read)."""
+    pids: List[int] = []
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as handle:
+                pids.extend(int(pid) for pid in handle.read().split())
+    except OSError:
+        pass
+    return pids
+
+
+def _hard_stop(link_holder, pid_holder) -> None:
+    """The stop of last resort (see ``request_stop``): kill the children, report, leave."""
+    for pid in _child_pids():
+        try:
+            group = os.getpgid(pid)
+            if group != os.getpgrp():
+                os.killpg(group, signal.SIGKILL)  # a worker in its own group takes its own children along
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if link_holder:
+        link_holder[0].report_exit(STOPPED_EXIT_CODE, None, True)
+    for pid_file in pid_holder:
+        if os.path.isfile(pid_file):
+            os.remove(pid_file)
+    sys.stderr.write("[deepspeed launch] stopped without its workers' cooperation\n")
+    sys.stderr.flush()
+    os._exit(STOPPED_EXIT_CODE)
+
+
 class _StopRequested(Exception):
     """Raised in the main thread by SIGTERM before torchrun's own handler is installed."""
 
@@ -165,31 +203,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Environment of the workers (torchrun passes os.environ on).
     if _cuda_device_count() > 0:
         os.environ[VISIBLE_DEVICES_ENV] = _visible_devices(slots, os.environ)
-    os.environ["CROSS_RANK"] = str(node_rank)
-    os.environ["CROSS_SIZE"] = str(len(hosts))
+    if not args.elastic_training:  # elastic: the rendezvous numbers the nodes (torchrun's GROUP_RANK)
+        os.environ["CROSS_RANK"] = str(node_rank)
+        os.environ["CROSS_SIZE"] = str(len(hosts))
     os.environ["LOCAL_SIZE"] = str(len(slots))
 
     stop_state = {"requested": False}
+    link = None
+    pid_file = None
 
     def request_stop(*_):
         stop_state["requested"] = True
         os.kill(os.getpid(), signal.SIGTERM)
+        # Note: SIGTERM reaches the workers through torchrun's handler, which runs in the main thread; a main
+        # thread blocked in a native call (the rendezvous, the exit barrier: no worker runs then) never runs it.
+        # So, after a grace period (short while no worker runs) the agent stops itself, with any children.
+        grace = HARD_STOP_AFTER_S if _child_pids() else HARD_STOP_IDLE_AFTER_S
+        timer = threading.Timer(grace, _hard_stop, args=(link_holder, pid_holder))
+        timer.daemon = True
+        timer.start()
+
+    link_holder, pid_holder = [], []
 
     def on_sigterm(signum, _frame):
         stop_state["requested"] = True
         raise _StopRequested(signum)
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
-    link = None
-    pid_file = None
     code, rank, stopped = 0, None, False
     try:
         if args.controller:
             link = ControllerLink(args.controller, args.job_token, node_rank, socket.gethostname(), request_stop)
+            link_holder.append(link)
         if args.save_pid:
             pid_file = os.path.join(PID_FILE_BASEPATH, f"{args.save_pid}.deepspeed")
             with open(pid_file, "w") as handle:
                 handle.write(str(os.getpid()))
+            pid_holder.append(pid_file)
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args as torchrun_parse_args

@@ -307,13 +307,19 @@ def supervise(plan: JobPlan, runner, controller: JobController, options: AgentOp
                 controller.poll(0.1)
                 if process.returncode != 0:
                     code = 128 - process.returncode if process.returncode < 0 else process.returncode
-                    controller.record_transport_failure(transport.node, code, transport.label)
+                    controller.record_transport_failure(transport.node, code,
+                                                        f"{transport.label} exited with code {code}")
             now = time.monotonic()
             if not controller.stopping and not controller.all_connected() and now - started > start_timeout:
                 missing = [i for i, report in controller.nodes.items() if not report.connected]
-                controller.record_transport_failure(missing[0], 1, f"no node agent within {start_timeout:.0f} s")
+                controller.record_transport_failure(missing[0], 1,
+                                                    f"its node agent did not connect within {start_timeout:.0f} s")
             if controller.stopping and stop_since is None:
                 stop_since = now
+                # A transport whose node agent never connected has nothing to stop gracefully.
+                for transport, process in pending:
+                    if transport.node is not None and not controller.nodes[transport.node].connected:
+                        _stop_transport(process, signal.SIGTERM)
             if stop_since is not None and now - stop_since > STOP_GRACE_S:
                 for _, process in pending:
                     _stop_transport(process, signal.SIGKILL)

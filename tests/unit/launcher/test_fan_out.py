@@ -8,6 +8,7 @@ local rank, node, the exported variables and an all-reduce; expected values are 
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -183,6 +184,29 @@ def test_interrupt_stops_every_node(job):
     _check_world(records)
     _check_exports(records, "openmpi")
     _assert_all_stopped(job["out"])
+
+
+def test_node_that_never_starts_stops_the_others(job):
+    env = dict(job["env"], FAKE_SSH_SILENT="localhost", DS_LAUNCHER_START_TIMEOUT="5")
+    cmd = [
+        sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", "hostfile", "--master_port",
+        str(_free_port()), "--launcher", "ssh", "--no_ssh_check", CHECK_SCRIPT,
+        str(job["out"])
+    ]
+    done = subprocess.run(cmd, cwd=job["cwd"], env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 1, done.stderr[-4000:]
+    assert "node 1 (localhost) failed first with exit code 1: its node agent did not connect within 5 s" in done.stderr
+    # Node 0's agent, waiting in the rendezvous for node 1, is gone too.
+    token = re.search(r"--job_token=(\w+)", done.stderr).group(1)
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and token in _cmdline(pid)]
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def test_unreachable_host_is_reported_before_anything_starts(job):

@@ -6,8 +6,8 @@ running this file with its own name. They keep what the tests rely on from the r
 
 * ssh and pdsh run the remote command with ``sh -c`` in a fresh login-like environment (``PATH`` and ``HOME``
   only), so only what the launcher exports reaches the node; ssh exits 255 for a host named in
-  ``FAKE_SSH_UNREACHABLE``; pdsh replaces ``%n`` with the host's index and, with ``-S``, exits with the largest
-  status.
+  ``FAKE_SSH_UNREACHABLE`` and never starts the command for one in ``FAKE_SSH_SILENT``; pdsh replaces ``%n``
+  with the host's index and, with ``-S``, exits with the largest status.
 * srun hands its whole environment to each task (``--export=ALL``) and adds ``SLURM_PROCID``, ``SLURM_NTASKS``,
   ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURMD_NODENAME`` and the node list; with ``--kill-on-bad-exit`` a
   failing task ends the others.
@@ -80,6 +80,8 @@ def fake_ssh(argv):
     if host in os.environ.get("FAKE_SSH_UNREACHABLE", "").split(","):
         print(f"ssh: connect to host {host} port 22: Connection refused", file=sys.stderr)
         return 255
+    if host in os.environ.get("FAKE_SSH_SILENT", "").split(","):
+        time.sleep(3600)  # connected, but the remote command never starts
     os.execve("/bin/sh", ["sh", "-c", command], _fresh_env())
 
 
