@@ -258,3 +258,24 @@ def test_node_rank_from_environment(launcher, environ, expected):
 def test_node_rank_from_environment_missing():
     with pytest.raises(ValueError, match="OMPI_COMM_WORLD_RANK"):
         launch.node_rank_from_environment("openmpi", ["w0"], {})
+
+
+# ---- devices and cores of one node ----------------------------------------------------------------------------
+
+
+def test_visible_devices_of_a_node():
+    assert launch._visible_devices([0, 2], {}) == "0,2"
+    assert launch._visible_devices([0, 2], {"CUDA_VISIBLE_DEVICES": "4,5,7"}) == "4,7"  # slots index what is seen
+
+
+def test_core_binding_shares():
+    from deepspeed.launcher import core_binding
+    assert core_binding.parse_range_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    cores = core_binding.parse_range_list("0-6")
+    assert [core_binding.cores_for_rank(cores, rank, 3) for rank in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(ValueError):
+        core_binding.cores_for_rank([0, 1], 0, 3)
+    with pytest.raises(ValueError):
+        core_binding.parse_range_list("3-1")
+    assert core_binding._script_command(["--module", "pkg", "--x"])[-4:] == ["-u", "-m", "pkg", "--x"]
+    assert core_binding._script_command(["--no_python", "bash", "run.sh"]) == ["bash", "run.sh"]
