@@ -162,29 +162,76 @@ def _child_pids() -> List[int]:
     return pids
 
 
-def _hard_stop(link_holder, pid_holder) -> None:
-    """The stop of last resort (see ``request_stop``): kill the children, report, leave."""
-    for pid in _child_pids():
-        try:
-            group = os.getpgid(pid)
-            if group != os.getpgrp():
-                os.killpg(group, signal.SIGKILL)  # a worker in its own group takes its own children along
-            else:
-                os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    if link_holder:
-        link_holder[0].report_exit(STOPPED_EXIT_CODE, None, True)
-    for pid_file in pid_holder:
-        if os.path.isfile(pid_file):
-            os.remove(pid_file)
-    sys.stderr.write("[deepspeed launch] stopped without its workers' cooperation\n")
-    sys.stderr.flush()
-    os._exit(STOPPED_EXIT_CODE)
-
-
 class _StopRequested(Exception):
     """Raised in the main thread by SIGTERM before torchrun's own handler is installed."""
+
+
+class _Stopper:
+    """How a stop reaches this node's workers, and what the agent must undo when it leaves.
+
+    ``request`` (from the controller link's thread) sends this process SIGTERM: torchrun's handler then stops
+    the workers (SIGTERM, then SIGKILL), or, before torchrun took the signal over, ``on_sigterm`` ends the agent.
+    Note: both handlers run in the main thread, which may be blocked in a native call (the rendezvous, the exit
+    barrier: no worker runs then) and never run them; so after a grace period (short while no worker runs) the
+    agent stops itself, with any children (``hard_stop``).
+    """
+
+    def __init__(self):
+        self.requested = False
+        self.link: Optional[ControllerLink] = None
+        self.pid_file: Optional[str] = None
+
+    def request(self) -> None:
+        self.requested = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        grace = HARD_STOP_AFTER_S if _child_pids() else HARD_STOP_IDLE_AFTER_S
+        timer = threading.Timer(grace, self.hard_stop)
+        timer.daemon = True
+        timer.start()
+
+    def on_sigterm(self, signum, _frame):
+        self.requested = True
+        raise _StopRequested(signum)
+
+    def hard_stop(self) -> None:
+        for pid in _child_pids():
+            try:
+                group = os.getpgid(pid)
+                if group != os.getpgrp():
+                    os.killpg(group, signal.SIGKILL)  # a worker in its own group takes its own children along
+                else:
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        sys.stderr.write("[deepspeed launch] stopped without its workers' cooperation\n")
+        sys.stderr.flush()
+        self.leave(STOPPED_EXIT_CODE, None, True)
+        os._exit(STOPPED_EXIT_CODE)
+
+    def leave(self, code: int, rank: Optional[int], stopped: bool) -> None:
+        """Report how the workers ended and remove the pid file."""
+        if self.link is not None:
+            self.link.report_exit(code, rank, stopped)
+            self.link.close()
+        if self.pid_file is not None and os.path.isfile(self.pid_file):
+            os.remove(self.pid_file)
+
+
+def _run_torchrun(torchrun_args: List[str]) -> tuple:
+    """Run torchrun here; ``(exit code, failed rank or None, stopped on a signal)``."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args as torchrun_parse_args
+    from torch.distributed.run import run as torchrun_run
+    try:
+        torchrun_run(torchrun_parse_args(torchrun_args))
+    except ChildFailedError as error:
+        rank, code = _failure_of(error)
+        return code, rank, False
+    except (SignalException, _StopRequested, KeyboardInterrupt) as error:
+        sigval = getattr(error, "sigval", None)
+        return (128 + int(sigval) if sigval is not None else STOPPED_EXIT_CODE), None, True
+    return 0, None, False
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -208,53 +255,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.environ["CROSS_SIZE"] = str(len(hosts))
     os.environ["LOCAL_SIZE"] = str(len(slots))
 
-    stop_state = {"requested": False}
-    link = None
-    pid_file = None
-
-    def request_stop(*_):
-        stop_state["requested"] = True
-        os.kill(os.getpid(), signal.SIGTERM)
-        # Note: SIGTERM reaches the workers through torchrun's handler, which runs in the main thread; a main
-        # thread blocked in a native call (the rendezvous, the exit barrier: no worker runs then) never runs it.
-        # So, after a grace period (short while no worker runs) the agent stops itself, with any children.
-        grace = HARD_STOP_AFTER_S if _child_pids() else HARD_STOP_IDLE_AFTER_S
-        timer = threading.Timer(grace, _hard_stop, args=(link_holder, pid_holder))
-        timer.daemon = True
-        timer.start()
-
-    link_holder, pid_holder = [], []
-
-    def on_sigterm(signum, _frame):
-        stop_state["requested"] = True
-        raise _StopRequested(signum)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    stopper = _Stopper()
+    previous = signal.signal(signal.SIGTERM, stopper.on_sigterm)
     code, rank, stopped = 0, None, False
     try:
         if args.controller:
-            link = ControllerLink(args.controller, args.job_token, node_rank, socket.gethostname(), request_stop)
-            link_holder.append(link)
+            stopper.link = ControllerLink(args.controller, args.job_token, node_rank, socket.gethostname(),
+                                          stopper.request)
         if args.save_pid:
-            pid_file = os.path.join(PID_FILE_BASEPATH, f"{args.save_pid}.deepspeed")
-            with open(pid_file, "w") as handle:
+            stopper.pid_file = os.path.join(PID_FILE_BASEPATH, f"{args.save_pid}.deepspeed")
+            with open(stopper.pid_file, "w") as handle:
                 handle.write(str(os.getpid()))
-            pid_holder.append(pid_file)
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import parse_args as torchrun_parse_args
-        from torch.distributed.run import run as torchrun_run
-        torchrun_args = torchrun_parse_args(torchrun_argv(args, len(hosts), node_rank, len(slots)))
-        try:
-            torchrun_run(torchrun_args)
-        except ChildFailedError as error:
-            rank, code = _failure_of(error)
-        except (SignalException, _StopRequested, KeyboardInterrupt) as error:
-            stopped = True
-            sigval = getattr(error, "sigval", None)
-            code = 128 + int(sigval) if sigval is not None else STOPPED_EXIT_CODE
-        if stop_state["requested"] and code != 0:
-            stopped = True
+        code, rank, stopped = _run_torchrun(torchrun_argv(args, len(hosts), node_rank, len(slots)))
+        stopped = stopped or (stopper.requested and code != 0)
         if code != 0 and not stopped:
             print(f"{tag}: rank {rank} failed first with exit code {code}", file=sys.stderr, flush=True)
         elif stopped:
@@ -266,11 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if link is not None:
-            link.report_exit(code, rank, stopped)
-            link.close()
-        if pid_file is not None and os.path.isfile(pid_file):
-            os.remove(pid_file)
+        stopper.leave(code, rank, stopped)
     return code
 
 
