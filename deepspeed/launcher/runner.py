@@ -273,8 +273,7 @@ def _stop_transport(process: subprocess.Popen, signum: int) -> None:
         pass
 
 
-def supervise(plan: JobPlan, runner, controller: JobController, options: AgentOptions, environ: Mapping[str,
-                                                                                                        str]) -> int:
+def supervise(plan: JobPlan, runner, controller: JobController, options: AgentOptions, environ) -> int:
     """Start the transports and wait for every node; return the job's exit status (see the module doc)."""
     start_timeout = float(environ.get(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S))
     transports = runner.transports(plan, options, environ)
@@ -324,6 +323,11 @@ def supervise(plan: JobPlan, runner, controller: JobController, options: AgentOp
                 for _, process in pending:
                     _stop_transport(process, signal.SIGKILL)
         controller.poll(0.1)
+        if not interrupted:
+            # Every transport ended; a node that never said how its workers ended did not run them.
+            for index, report in controller.nodes.items():
+                if report.exit_code is None:
+                    controller.record_transport_failure(index, 1, "its node agent never reported")
 
     failure = controller.first_failure()
     if failure is not None:
