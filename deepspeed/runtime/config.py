@@ -31,6 +31,9 @@ from .constants import (ACTIVATION_CHECKPOINTING, AIO, AMP, CHECKPOINT, CHECKPOI
 from .precision.config import (DeepSpeedBF16Config, DeepSpeedFP16Config, bfloat16_section_name, get_bfloat16_config,
                                get_float16_config)
 from .zero.config import DeepSpeedZeroConfig, ZeroStageEnum, get_zero_config
+# Upstream's module also carries every key name and its raw-dict readers.
+from .config_getters import *  # noqa: E402,F401,F403
+from .constants import *  # noqa: E402,F401,F403
 
 EIGENVALUE = "eigenvalue"
 

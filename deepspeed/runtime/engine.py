@@ -24,7 +24,7 @@ from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
-from deepspeed.runtime.engine_optimizer import EngineOptimizer
+from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
 from deepspeed.runtime.instrumentation import EngineInstrumentation
 from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
@@ -191,12 +191,16 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                   self.window,
                                   device=self.device,
                                   group=self.data_parallel_group)
-        self.optimizer = EngineOptimizer(self.basic_optimizer,
-                                         self._stage,
-                                         self.loss_scaler,
-                                         cfg.gradient_clipping,
-                                         self.zero_grad,
-                                         check_overflow=cfg.check_grad_overflow)
+        # The optimizer's class is the one upstream returns for this configuration (isinstance checks).
+        optimizer_class = returned_optimizer_class(cfg.zero_optimization_stage, self._dtype, cfg.grad_accum_dtype,
+                                                   self.basic_optimizer, self._offload_optimizer_device() != "none")
+        self.optimizer = build_returned_optimizer(optimizer_class,
+                                                  self.basic_optimizer,
+                                                  self._stage,
+                                                  self.loss_scaler,
+                                                  cfg.gradient_clipping,
+                                                  self.zero_grad,
+                                                  check_overflow=cfg.check_grad_overflow)
         self._ownership = ownership.Ownership(self._stage)
 
     def _build_lr_scheduler(self, client_scheduler):
