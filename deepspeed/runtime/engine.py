@@ -17,7 +17,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops import grad_ops_native
-from deepspeed.runtime import agreement, engine_lifecycle, lr_schedules
+from deepspeed.runtime import agreement, engine_lifecycle, lr_schedules, torch_autocast
 from deepspeed.runtime.accumulation import AccumulationWindow
 from deepspeed.runtime.audit import AuditSchedule, auditing
 from deepspeed.runtime.backward import ownership, registry
@@ -96,6 +96,11 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._prepare_module(model, dont_change_device)
         self.loss_scaler = create_loss_scaler(cfg.fp16_enabled, cfg.loss_scale, cfg.dynamic_loss_scale_args)
 
+        self._torch_autocast_dtype = None
+        if cfg.torch_autocast_enabled:
+            self._torch_autocast_dtype = torch_autocast.resolve_autocast_dtype(cfg.torch_autocast_dtype)
+            torch_autocast.init_autocast_params(self, self._torch_autocast_dtype,
+                                                self.torch_autocast_lower_precision_safe_modules())
         self.basic_optimizer = self._build_optimizer(optimizer, model_parameters)
         self.optimizer = None
         self._stage = None
@@ -260,6 +265,17 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def bfloat16_enabled(self):
         return self._config.bfloat16_enabled
 
+    def torch_autocast_enabled(self):
+        return self._config.torch_autocast_enabled
+
+    def torch_autocast_dtype(self):
+        """The dtype forwards autocast to (``torch_autocast.dtype``, or the device's default), None when off."""
+        return self._torch_autocast_dtype
+
+    def torch_autocast_lower_precision_safe_modules(self):
+        names = self._config.torch_autocast_lower_precision_safe_modules
+        return torch_autocast.get_default_autocast_lower_precision_modules() if names is None else names
+
     def managed_gradient_accumulation(self):
         return self._config.managed_gradient_accumulation
 
@@ -375,7 +391,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._audit.on_forward(inputs, kwargs)
         # The audit's own forward passes are not training: they are neither timed nor profiled.
         with self._instruments.forward() if not auditing() else contextlib.nullcontext():
-            outputs = self.module(*inputs, **kwargs)
+            with torch_autocast.autocast_if_enabled(self):
+                outputs = self.module(*inputs, **kwargs)
         if self._stage is not None:
             if torch.is_grad_enabled():
                 ownership.arm_outputs(self._stage.pipeline, outputs)
