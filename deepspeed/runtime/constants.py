@@ -169,6 +169,7 @@ AUTO_ALLOWED_PATHS = frozenset({
 
 # Top-level keys upstream reads. Anything else at the top level is ignored with a warning.
 KNOWN_TOP_LEVEL_KEYS = frozenset({
+    "log_level",
     TRAIN_BATCH_SIZE,
     TRAIN_MICRO_BATCH_SIZE_PER_GPU,
     GRADIENT_ACCUMULATION_STEPS,

@@ -24,14 +24,16 @@ from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+from deepspeed.runtime.precision.module_cast import cast_for_precision
 from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
 from deepspeed.runtime.instrumentation import EngineInstrumentation
 from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
 from deepspeed.runtime.precision.overflow import report_skipped_step
+from deepspeed.runtime.unused_parameters import UnusedParameterCheck
 from deepspeed.runtime.usage_errors import EngineUsageError, require_scalar_loss
 from deepspeed.runtime.zero.stages import StageConfig, build_stage
-from deepspeed.utils.logging import log_dist
+from deepspeed.utils.logging import log_dist, set_log_level_from_string
 from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
 
 
@@ -63,6 +65,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.config = self._config._param_dict
         cfg = self._config
 
+        if cfg.log_level is not None:  # the config's "log_level" sets the DeepSpeed logger, as upstream
+            set_log_level_from_string(cfg.log_level)
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.dp_world_size = self.world_size
@@ -139,8 +143,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         apply_zero_leaf_module_config(model, cfg.zero_config.leaf_module)
         if not dont_change_device:
             model.to(self.device)
-        if self._dtype != torch.float32:
-            model.to(self._dtype)
+        if self._dtype != torch.float32:  # fp32 training casts nothing, buffer_dtype included (as upstream)
+            cast_for_precision(model, self._dtype, cfg.buffer_dtype)
         self._broadcast_model()
 
     @torch.no_grad()
@@ -207,6 +211,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                                   self.zero_grad,
                                                   check_overflow=cfg.check_grad_overflow)
         self._ownership = ownership.Ownership(self._stage)
+        self._unused_check = None
+        if cfg.zero_optimization_stage in (1, 2, 3) and not cfg.zero_config.ignore_unused_parameters:
+            self._unused_check = UnusedParameterCheck(self.module, self.data_parallel_group, self.device)
 
     def _build_lr_scheduler(self, client_scheduler):
         cfg = self._config
@@ -326,12 +333,21 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if self.zero_optimization_stage() >= 2:
             raise EngineUsageError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
                                    f"gradients are partitioned during every backward")
+        if self.window.deferred():  # inside no_sync() or coalesce_grad_reduction() already
+            raise EngineUsageError("no_sync context manager reentry is unsupported (no_sync() inside no_sync() or "
+                                   "coalesce_grad_reduction())")
         with self.window.no_sync():
             yield
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self):
-        """Defer gradient reduction over every backward inside the context to one pass at its exit."""
+        """Defer gradient reduction over every backward inside the context to one pass at its exit.
+
+        ``step()`` inside the context, and nesting it with ``no_sync()`` or itself, raise (as upstream).
+        """
+        if self.window.deferred():
+            raise EngineUsageError("coalesce_grad_reduction cannot be nested inside another no_sync context "
+                                   "(no_sync() or coalesce_grad_reduction())")
         with self.window.coalesced():
             yield
         if not self.window.deferred() and self._stage is not None and self.window.at_boundary():
@@ -438,6 +454,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     # ------------------------------------------------------------------- step
     def step(self, lr_kwargs=None):
         """End a micro-step; at the accumulation boundary apply the optimizer (see the module docstring)."""
+        if self.window.deferred():
+            raise EngineUsageError("It is illegal to call Engine.step() inside no_sync context manager (no_sync() or "
+                                   "coalesce_grad_reduction()): leave the context first")
         registry.discard_stale_sessions()
         with self.window.stepping():
             boundary = self.is_gradient_accumulation_boundary()
@@ -446,6 +465,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             if boundary and self._stage is not None and self._stage.window_is_empty():
                 self._skip_empty_step()
                 return
+            if boundary and getattr(self, "_unused_check", None) is not None:
+                self._unused_check.check()  # ignore_unused_parameters: false (raises on every rank)
             with self._instruments.step(boundary):
                 if boundary:
                     self._take_model_step(lr_kwargs)
@@ -489,6 +510,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         """Discard the gradients of the current accumulation window (and any failed backward's state)."""
         registry.discard_stale_sessions()
         self._audit.discard_window()
+        if getattr(self, "_unused_check", None) is not None:
+            self._unused_check.reset()
         if self._stage is not None:
             self._stage.zero_window()
         else:
@@ -512,6 +535,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if self._ownership is not None:
             self._ownership.release()
             self._ownership = None
+        if getattr(self, "_unused_check", None) is not None:
+            self._unused_check.remove()
+            self._unused_check = None
         if self._stage is not None:
             self._stage.release()
         engine_lifecycle.retire(self)
