@@ -70,8 +70,9 @@ class LinearModuleForZeroStage3(Module):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = Parameter(torch.empty(out_features, in_features))
-        self.bias = Parameter(torch.empty(out_features)) if bias else None
-        if not bias:
+        if bias:
+            self.bias = Parameter(torch.empty(out_features))
+        else:
             self.register_parameter("bias", None)
         self.reset_parameters()
 
