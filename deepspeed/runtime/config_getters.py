@@ -185,7 +185,7 @@ def get_checkpoint_tag_validation_mode(checkpoint_params):
 
 def get_checkpoint_parallel_write_pipeline(checkpoint_params):
     value = checkpoint_params.get(CHECKPOINT_PARALLEL_WRITE, {}).get(CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE,
-                                                                    CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE_DEFAULT)
+                                                                     CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE_DEFAULT)
     if value not in (True, False):
         raise DeepSpeedConfigError(f"config key 'checkpoint.{CHECKPOINT_PARALLEL_WRITE}."
                                    f"{CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE}' must be a bool, got {value!r}")

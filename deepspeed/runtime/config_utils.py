@@ -405,7 +405,6 @@ def get_scalar_param(param_dict: dict, param_name: str, param_default_value):
     return param_dict.get(param_name, param_default_value)
 
 
-
 def get_list_param(param_dict: dict, param_name: str, param_default_value):
     return param_dict.get(param_name, param_default_value)
 
@@ -484,6 +483,7 @@ class DeepSpeedConfigObject:
 
     def __repr__(self):
         return json.dumps(self.__dict__, sort_keys=True, indent=4, cls=ScientificNotationEncoder, default=str)
+
 
 def __getattr__(name):
     # DeepSpeedConfigModel needs pydantic, which only code written against upstream's sections uses: it is

@@ -202,7 +202,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                   group=self.data_parallel_group)
         # The optimizer's class is the one upstream returns for this configuration (isinstance checks).
         optimizer_class = returned_optimizer_class(cfg.zero_optimization_stage, self._dtype, cfg.grad_accum_dtype,
-                                                   self.basic_optimizer, self._offload_optimizer_device() != "none")
+                                                   self.basic_optimizer,
+                                                   self._offload_optimizer_device() != "none")
         self.optimizer = build_returned_optimizer(optimizer_class,
                                                   self.basic_optimizer,
                                                   self._stage,

@@ -13,6 +13,7 @@ from deepspeed.runtime.precision.config import (  # noqa: F401
     DeepSpeedFP16Config, get_bfloat16_config, get_float16_config)
 
 __all__ = [
-    "FP16", "BFLOAT16", "BFLOAT16_OLD", "INITIAL_LOSS_SCALE", "SCALE_WINDOW", "DELAYED_SHIFT", "CONSECUTIVE_HYSTERESIS",
-    "MIN_LOSS_SCALE", "DeepSpeedFP16Config", "DeepSpeedBF16Config", "get_float16_config", "get_bfloat16_config"
+    "FP16", "BFLOAT16", "BFLOAT16_OLD", "INITIAL_LOSS_SCALE", "SCALE_WINDOW", "DELAYED_SHIFT",
+    "CONSECUTIVE_HYSTERESIS", "MIN_LOSS_SCALE", "DeepSpeedFP16Config", "DeepSpeedBF16Config", "get_float16_config",
+    "get_bfloat16_config"
 ]

@@ -127,12 +127,14 @@ def autocast_if_enabled(engine):
     enabled = engine.torch_autocast_enabled()
     if torch.is_autocast_enabled(device_type):
         if enabled:
-            _note_nested("torch.autocast is already enabled outside DeepSpeed; the engine's forward follows the "
-                         "`torch_autocast` section of its config", logging.INFO)
+            _note_nested(
+                "torch.autocast is already enabled outside DeepSpeed; the engine's forward follows the "
+                "`torch_autocast` section of its config", logging.INFO)
         else:
-            _note_nested("torch.autocast is enabled outside DeepSpeed but disabled within the DeepSpeed engine; "
-                         "the engine's forward runs without autocast (set the `torch_autocast` section to use it)",
-                         logging.WARNING)
+            _note_nested(
+                "torch.autocast is enabled outside DeepSpeed but disabled within the DeepSpeed engine; "
+                "the engine's forward runs without autocast (set the `torch_autocast` section to use it)",
+                logging.WARNING)
             with torch.autocast(device_type=device_type, enabled=False):
                 yield
             return

@@ -27,8 +27,9 @@ class UnusedParameterCheck:
         self.group = group
         self.device = device
         self.used = [False] * len(self.names)
-        self.handles = [params[name].register_post_accumulate_grad_hook(self._marker(i))
-                        for i, name in enumerate(self.names)]
+        self.handles = [
+            params[name].register_post_accumulate_grad_hook(self._marker(i)) for i, name in enumerate(self.names)
+        ]
 
     def _marker(self, index):
 

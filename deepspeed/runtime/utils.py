@@ -30,7 +30,6 @@ import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.constants import PIPE_REPLICATED
 from deepspeed.runtime.zero.offload_states import offload_adam_states, reload_adam_states  # noqa: F401
-from deepspeed.utils.logging import logger
 
 __all__ = [
     "partition_uniform", "partition_balanced", "prefix_sum_inc", "count_used_parameters_in_backward",
@@ -750,4 +749,3 @@ class noop_context:
 
     def __exit__(self, exc_type, exc_val, exc_tb):
         return False
-

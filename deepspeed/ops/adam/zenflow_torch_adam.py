@@ -165,8 +165,11 @@ class ZenFlowSelectiveAdamW(torch.optim.AdamW):
     def group_step(self, group_to_paramlist):
         """Update the given parameters of each param group (``{group index: [params]}``)."""
         for group_id, params in group_to_paramlist.items():
-            self._update(self.param_groups[group_id], [p for p in params if getattr(p, "selected_grad", None) is not None])
+            self._update(self.param_groups[group_id],
+                         [p for p in params if getattr(p, "selected_grad", None) is not None])
 
 
-ZenFlowSelectiveAdamW_stage3 = not_built_class("ZenFlowSelectiveAdamW_stage3", "ZenFlow on ZeRO stage 3",
-                                               bases=(torch.optim.AdamW, ), module=__name__)
+ZenFlowSelectiveAdamW_stage3 = not_built_class("ZenFlowSelectiveAdamW_stage3",
+                                               "ZenFlow on ZeRO stage 3",
+                                               bases=(torch.optim.AdamW, ),
+                                               module=__name__)

@@ -137,8 +137,8 @@ class NotImplementedBuilder(UnsupportedOpBuilder):
 
 
 UNSUPPORTED_BUILDERS = [
-    AsyncIOBuilder, GDSBuilder, FusedLambBuilder, FusedLionBuilder, CPUAdagradBuilder,
-    CPULionBuilder, EvoformerAttnBuilder, FPQuantizerBuilder, QuantizerBuilder, RandomLTDBuilder, SparseAttnBuilder,
+    AsyncIOBuilder, GDSBuilder, FusedLambBuilder, FusedLionBuilder, CPUAdagradBuilder, CPULionBuilder,
+    EvoformerAttnBuilder, FPQuantizerBuilder, QuantizerBuilder, RandomLTDBuilder, SparseAttnBuilder,
     TransformerBuilder, StochasticTransformerBuilder, InferenceBuilder, SpatialInferenceBuilder, InferenceCoreBuilder,
     InferenceCutlassBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, DeepCompileBuilder, NotImplementedBuilder
 ]

@@ -26,5 +26,6 @@ class CheckpointActivationOffloadStats:
 CheckpointHiddenStatesOffload = not_built_class("CheckpointHiddenStatesOffload", _FEATURE, module=__name__)
 get_checkpoint_hidden_states_offloading_ctx_manager = not_built_function(
     "get_checkpoint_hidden_states_offloading_ctx_manager", _FEATURE, module=__name__)
-patch_gradient_checkpointing_layer_marker = not_built_function("patch_gradient_checkpointing_layer_marker", _FEATURE,
+patch_gradient_checkpointing_layer_marker = not_built_function("patch_gradient_checkpointing_layer_marker",
+                                                               _FEATURE,
                                                                module=__name__)

@@ -5,10 +5,11 @@ The values configure NVMe swapping, which is not built here; they are parsed so 
 load. ``use_gds`` needs a CUDA accelerator."""
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.swap_tensor.constants import (
-    AIO, AIO_BLOCK_SIZE, AIO_BLOCK_SIZE_DEFAULT, AIO_INTRA_OP_PARALLELISM, AIO_INTRA_OP_PARALLELISM_DEFAULT,
-    AIO_OVERLAP_EVENTS, AIO_OVERLAP_EVENTS_DEFAULT, AIO_QUEUE_DEPTH, AIO_QUEUE_DEPTH_DEFAULT, AIO_SINGLE_SUBMIT,
-    AIO_SINGLE_SUBMIT_DEFAULT, AIO_USE_GDS, AIO_USE_GDS_DEFAULT)
+from deepspeed.runtime.swap_tensor.constants import (AIO, AIO_BLOCK_SIZE, AIO_BLOCK_SIZE_DEFAULT,
+                                                     AIO_INTRA_OP_PARALLELISM, AIO_INTRA_OP_PARALLELISM_DEFAULT,
+                                                     AIO_OVERLAP_EVENTS, AIO_OVERLAP_EVENTS_DEFAULT, AIO_QUEUE_DEPTH,
+                                                     AIO_QUEUE_DEPTH_DEFAULT, AIO_SINGLE_SUBMIT,
+                                                     AIO_SINGLE_SUBMIT_DEFAULT, AIO_USE_GDS, AIO_USE_GDS_DEFAULT)
 
 AIO_DEFAULT_DICT = {
     AIO_BLOCK_SIZE: AIO_BLOCK_SIZE_DEFAULT,

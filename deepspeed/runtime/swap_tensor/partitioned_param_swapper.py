@@ -13,5 +13,6 @@ class PartitionedParamStatus(Enum):
     INFLIGHT = 3  # the partition is being read
 
 
-AsyncPartitionedParameterSwapper = not_built_class("AsyncPartitionedParameterSwapper", "NVMe parameter swapping",
+AsyncPartitionedParameterSwapper = not_built_class("AsyncPartitionedParameterSwapper",
+                                                   "NVMe parameter swapping",
                                                    module=__name__)

@@ -42,6 +42,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 class ConflictingZeroKeysError(DeepSpeedConfigError, AssertionError):
     """A deprecated ``zero_optimization`` key given together with the key that replaces it."""
 
+
 _size = size()
 
 DEFAULT_LEAF_MODULE_CLASSES = (
@@ -233,7 +234,7 @@ def _migrate_cpu_offload(values, spelled, path, old_key, new_key, new_cls):
         return
     if values.get(new_key) is not None:
         raise ConflictingZeroKeysError(f"config keys '{path}.{old_key}' (deprecated) and '{path}.{new_key}' "
-                                   f"cannot both be given; use only '{path}.{new_key}'")
+                                       f"cannot both be given; use only '{path}.{new_key}'")
     logger.warning(f"config key '{path}.{old_key}' is deprecated; use '{path}.{new_key}': "
                    "{\"device\": \"cpu\"}")
     values[new_key] = new_cls(device=OffloadDeviceEnum.cpu, pin_memory=bool(values.get("cpu_offload_use_pin_memory")))

@@ -174,10 +174,10 @@ class InsertPostInitMethodToModuleSubClasses:
     While the context is active the ``__init__`` of every ``torch.nn.Module`` subclass that defines one (also of
     classes defined inside the context) is wrapped; when the outermost ``__init__`` of a module returns (a
     subclass's ``__init__`` calling its parent's counts once), ``_post_init_method`` runs on it. A module whose
-    only ``__init__`` is ``torch.nn.Module``'s own (``Tanh``) has no parameters of its own and is skipped. Children are complete
-    before their parent, so they are handed over first. On exit every class is restored. ``enabled=False``
-    makes the context a no-op. ``dtype`` (or the config's fp16/bf16 section) is the dtype parameters are
-    created in: ``torch.half``, ``torch.bfloat16`` or ``torch.float``.
+    only ``__init__`` is ``torch.nn.Module``'s own (``Tanh``) has no parameters of its own and is skipped.
+    Children are complete before their parent, so they are handed over first. On exit every class is restored.
+    ``enabled=False`` makes the context a no-op. ``dtype`` is the dtype parameters are created in:
+    ``torch.half``, ``torch.bfloat16`` or ``torch.float`` (None: as built).
     """
 
     def __init__(self, enabled=True, mem_efficient_linear=True, ds_config=None, dtype=None):

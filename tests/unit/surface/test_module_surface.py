@@ -14,8 +14,8 @@ SURFACE = {
     "deepspeed": ["OnDevice", "DeepSpeedOptimizer", "DeepSpeedDataLoader", "DeepSpeedEngine", "initialize"],
     "deepspeed.runtime.precision_config": [
         "FP16", "BFLOAT16", "BFLOAT16_OLD", "INITIAL_LOSS_SCALE", "SCALE_WINDOW", "DELAYED_SHIFT",
-        "CONSECUTIVE_HYSTERESIS", "MIN_LOSS_SCALE", "DeepSpeedFP16Config", "DeepSpeedBF16Config",
-        "get_float16_config", "get_bfloat16_config"
+        "CONSECUTIVE_HYSTERESIS", "MIN_LOSS_SCALE", "DeepSpeedFP16Config", "DeepSpeedBF16Config", "get_float16_config",
+        "get_bfloat16_config"
     ],
     "deepspeed.runtime.utils": [
         "partition_uniform", "partition_balanced", "prefix_sum_inc", "count_used_parameters_in_backward",
@@ -35,13 +35,13 @@ SURFACE = {
         "log_dist_once", "instrument_w_nvtx", "get_numactl_cmd", "recursive_getattr", "recursive_setattr",
         "get_caller_func"
     ],
-    "deepspeed.utils.torch": ["required_torch_version", "register_grad_hook", "jit_script_compat",
-                              "is_functorch_transforming"],
-    "deepspeed.utils.numa": ["get_numa_cores", "check_for_numactl_pkg", "parse_range", "parse_range_list",
-                             "get_numactl_cmd"],
+    "deepspeed.utils.torch":
+    ["required_torch_version", "register_grad_hook", "jit_script_compat", "is_functorch_transforming"],
+    "deepspeed.utils.numa":
+    ["get_numa_cores", "check_for_numactl_pkg", "parse_range", "parse_range_list", "get_numactl_cmd"],
     "deepspeed.utils.nvtx": ["instrument_w_nvtx", "enable_nvtx", "DEEPSPEED_NVTX_DOMAIN"],
-    "deepspeed.utils.pin_memory": ["NativePinnedMemory", "get_native_pinned_memory",
-                                   "get_active_native_pinned_memory"],
+    "deepspeed.utils.pin_memory":
+    ["NativePinnedMemory", "get_native_pinned_memory", "get_active_native_pinned_memory"],
     "deepspeed.utils.pin_memory_tracker": ["track_pinned_memory", "pinned_memory_summary"],
     "deepspeed.utils.init_on_device": ["OnDevice"],
     "deepspeed.utils.module_utils": ["recursive_getattr", "recursive_setattr"],
@@ -58,11 +58,10 @@ SURFACE = {
         "is_builtin_type", "isinstance_namedtuple", "is_zero_param", "get_lst_from_rank0",
         "assert_ints_same_as_other_ranks", "get_mapping_to_flat_buffer", "defragment", "get_norm_dtype"
     ],
-    "deepspeed.runtime.zero.linear": ["LinearFunctionForZeroStage3", "LinearModuleForZeroStage3",
-                                      "zero3_linear_wrap"],
+    "deepspeed.runtime.zero.linear": ["LinearFunctionForZeroStage3", "LinearModuleForZeroStage3", "zero3_linear_wrap"],
     "deepspeed.runtime.zero.tiling": ["TiledLinear", "TiledLinearReturnBias", "split_tensor_along_last_dim"],
-    "deepspeed.runtime.zero.parameter_offload": ["DeepSpeedZeRoOffload", "partitioned_param_data_shape",
-                                                 "DEFAULT_TENSOR_OVERRIDES", "FWD_MODULE_STACK"],
+    "deepspeed.runtime.zero.parameter_offload":
+    ["DeepSpeedZeRoOffload", "partitioned_param_data_shape", "DEFAULT_TENSOR_OVERRIDES", "FWD_MODULE_STACK"],
     "deepspeed.runtime.zero.offload_states": [
         "offload_optimizer_states", "reload_optimizer_states", "unpin_offloaded_optimizer_states",
         "offload_adam_states", "reload_adam_states", "get_state_devices", "OffloadStateTypeEnum"
@@ -79,12 +78,12 @@ SURFACE = {
     ],
     "deepspeed.runtime.zero.config": ["DeepSpeedZeroConfig", "ZeroStageEnum"],
     "deepspeed.runtime.torch_autocast": [
-        "LOWER_PRECISION_SAFE_MODULES", "PARAM_COMM_DTYPE_ATTR_NAME", "init_autocast_params", "is_autocast_initialized",
-        "get_default_autocast_lower_precision_modules", "get_autocast_dtype", "has_comm_dtype", "get_comm_dtype",
-        "get_all_comm_dtypes", "sort_dtypes", "autocast_if_enabled"
+        "LOWER_PRECISION_SAFE_MODULES", "PARAM_COMM_DTYPE_ATTR_NAME", "init_autocast_params",
+        "is_autocast_initialized", "get_default_autocast_lower_precision_modules", "get_autocast_dtype",
+        "has_comm_dtype", "get_comm_dtype", "get_all_comm_dtypes", "sort_dtypes", "autocast_if_enabled"
     ],
-    "deepspeed.runtime.comm.coalesced_collectives": ["reduce_scatter_coalesced", "all_to_all_quant_reduce",
-                                                     "all_to_all_loco_quant_reduce"],
+    "deepspeed.runtime.comm.coalesced_collectives":
+    ["reduce_scatter_coalesced", "all_to_all_quant_reduce", "all_to_all_loco_quant_reduce"],
     "deepspeed.runtime.checkpoint_engine": [
         "CheckpointEngine", "CheckpointCommitInfo", "TorchCheckpointEngine", "FastCheckpointEngine",
         "DecoupledCheckpointEngine", "DataStatesCheckpointEngine", "create_checkpoint_engine"
@@ -100,17 +99,19 @@ SURFACE = {
     "deepspeed.runtime.swap_tensor": ["MIN_SWAPPABLE_BYTES"],
     "deepspeed.runtime.swap_tensor.aio_config": ["get_aio_config", "AIO_DEFAULT_DICT"],
     "deepspeed.runtime.swap_tensor.constants": ["AIO", "AIO_BLOCK_SIZE", "AIO_QUEUE_DEPTH", "AIO_USE_GDS"],
-    "deepspeed.runtime.swap_tensor.utils": ["MIN_AIO_BYTES", "AIO_ALIGNED_BYTES", "SwapBuffer", "SwapBufferPool",
-                                            "SwapBufferManager", "get_sized_buffer", "get_sized_buffers"],
+    "deepspeed.runtime.swap_tensor.utils": [
+        "MIN_AIO_BYTES", "AIO_ALIGNED_BYTES", "SwapBuffer", "SwapBufferPool", "SwapBufferManager", "get_sized_buffer",
+        "get_sized_buffers"
+    ],
     "deepspeed.runtime.swap_tensor.async_swapper": ["AsyncTensorSwapper"],
     "deepspeed.runtime.swap_tensor.optimizer_utils": ["OptimizerSwapper"],
     "deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper": ["PartitionedOptimizerSwapper"],
-    "deepspeed.runtime.swap_tensor.partitioned_param_swapper": ["AsyncPartitionedParameterSwapper",
-                                                                "PartitionedParamStatus"],
+    "deepspeed.runtime.swap_tensor.partitioned_param_swapper":
+    ["AsyncPartitionedParameterSwapper", "PartitionedParamStatus"],
     "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper": ["PipelinedOptimizerSwapper"],
     "deepspeed.runtime.tensor_parallel": ["AUTOTP_MODE", "get_tensor_parallel_config", "TpTrainingManager"],
-    "deepspeed.runtime.tensor_parallel.init_utils": ["load_ds_config", "record_tp_model_init_args",
-                                                     "merge_tp_model_init_into_config", "tp_model_init"],
+    "deepspeed.runtime.tensor_parallel.init_utils":
+    ["load_ds_config", "record_tp_model_init_args", "merge_tp_model_init_into_config", "tp_model_init"],
     "deepspeed.runtime.config": [
         "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "get_gradient_clipping", "get_log_level", "DeepSpeedConfig",
         "DeepSpeedConfigError", "get_train_batch_size", "get_optimizer_name", "get_scheduler_name",

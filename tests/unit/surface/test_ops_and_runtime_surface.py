@@ -39,8 +39,8 @@ def test_fused_adam_op_matches_torch(mode, weight_decay):
     v = [torch.zeros_like(p) for p in params]
     apply = MultiTensorApply(2048 * 32)
     for step in range(3):
-        apply(op.multi_tensor_adam, torch.zeros(1, dtype=torch.int), [grads[step], ours, m, v], lr, betas[0],
-              betas[1], eps, step + 1, mode, True, weight_decay)
+        apply(op.multi_tensor_adam, torch.zeros(1, dtype=torch.int), [grads[step], ours, m, v], lr, betas[0], betas[1],
+              eps, step + 1, mode, True, weight_decay)
     ref = _adam_reference(params, grads, 3, lr, betas, eps, weight_decay, decoupled=mode == 1)
     for a, b in zip(ours, ref):
         assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
@@ -171,8 +171,12 @@ def test_deepspeed_config_model_deprecations():
     class Section(DeepSpeedConfigModel):
         new_size: int = 0
         inner: Inner = Inner()
-        old_size: str = pydantic.Field("0", json_schema_extra={"deprecated": True, "new_param": "new_size",
-                                                                "new_param_fn": int})
+        old_size: str = pydantic.Field("0",
+                                       json_schema_extra={
+                                           "deprecated": True,
+                                           "new_param": "new_size",
+                                           "new_param_fn": int
+                                       })
         old_inner: int = pydantic.Field(0, json_schema_extra={"deprecated": True, "new_param": "inner.size"})
         note_only: int = pydantic.Field(0, json_schema_extra={"deprecated": True, "deprecated_msg": "unused"})
 

@@ -42,7 +42,10 @@ def test_zero_config_keyword_construction():
         DeepSpeedZeroConfig(no_such_key=1)
     # the same object as the dict form
     assert DeepSpeedZeroConfig(stage=2, reduce_bucket_size=10) == DeepSpeedZeroConfig.from_dict(
-        {"stage": 2, "reduce_bucket_size": 10}, "zero_optimization")
+        {
+            "stage": 2,
+            "reduce_bucket_size": 10
+        }, "zero_optimization")
 
 
 @pytest.mark.parametrize("shape", [(5, ), (3, 5), (2, 3, 5)])
@@ -83,7 +86,11 @@ def test_tiled_linear_matches_linear(in_f, out_f, in_splits, out_splits):
     assert torch.allclose(x.grad, x_ref.grad, atol=1e-6)
     weight_grad = torch.cat([torch.cat([t.weight.grad for t in row], dim=1) for row in tiled.linears], dim=0)
     assert torch.allclose(weight_grad, reference.weight.grad, atol=1e-5)
-    split = TiledLinear(in_f, out_f, in_splits=in_splits, out_splits=out_splits, combine_out_splits=False,
+    split = TiledLinear(in_f,
+                        out_f,
+                        in_splits=in_splits,
+                        out_splits=out_splits,
+                        combine_out_splits=False,
                         init_linear=reference)
     assert torch.allclose(torch.cat(split(x.detach()), dim=-1), ref.detach(), atol=1e-6)
     with pytest.raises(RuntimeError):
