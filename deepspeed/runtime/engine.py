@@ -24,12 +24,12 @@ from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
-from deepspeed.runtime.precision.module_cast import cast_for_precision
-from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
 from deepspeed.runtime.instrumentation import EngineInstrumentation
 from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
+from deepspeed.runtime.precision.module_cast import cast_for_precision
 from deepspeed.runtime.precision.overflow import report_skipped_step
+from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
 from deepspeed.runtime.unused_parameters import UnusedParameterCheck
 from deepspeed.runtime.usage_errors import EngineUsageError, require_scalar_loss
 from deepspeed.runtime.zero.stages import StageConfig, build_stage
