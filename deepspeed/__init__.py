@@ -15,7 +15,9 @@ from deepspeed.runtime.activation_checkpointing import checkpointing  # noqa: F4
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: F401
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: F401
 from deepspeed.pipe import PipelineModule  # noqa: F401  (importable; constructing it raises)
-from deepspeed.utils import log_dist, logger  # noqa: F401
+from deepspeed.utils import OnDevice, log_dist, logger  # noqa: F401
+from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer  # noqa: F401
+from deepspeed.runtime.dataloader import DeepSpeedDataLoader  # noqa: F401
 
 # `import deepspeed.checkpointing` works too, not only the attribute.
 _sys.modules.setdefault(__name__ + ".checkpointing", checkpointing)

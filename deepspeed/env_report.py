@@ -43,6 +43,7 @@ def op_report(verbose=True):
     """Print the op table. ``verbose`` prints why each op that cannot be built cannot."""
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder import ALL_OPS, BUILT_BUILDERS
+    from deepspeed.ops.op_builder.torch_ops import TORCH_BUILDERS
     from deepspeed.ops.op_builder.builder import ninja_available
 
     header = ["op name", "installed", "compatible", "jit"]
@@ -68,10 +69,15 @@ def op_report(verbose=True):
         compatible = ALL_OPS[name].is_compatible(verbose=verbose)
         print(_op_row(name, installed_ops.get(name, False), compatible, compatible and ninja))
     print(rule)
+    print("Upstream ops implemented in torch here (nothing to build):")
+    in_torch = [builder.NAME for builder in TORCH_BUILDERS]
+    for name in in_torch:
+        print(_op_row(name, True, True, False))
+    print(rule)
     print("Upstream ops this package does not build (what replaces each one\n"
           "is listed in docs/compatibility.md):")
     for name in ALL_OPS:
-        if name not in built:
+        if name not in built and name not in in_torch:
             print(_op_row(name, False, False, False))
     print(rule)
 

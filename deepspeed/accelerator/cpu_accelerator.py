@@ -224,7 +224,10 @@ class CPU_Accelerator(DeepSpeedAccelerator):
     def pin_memory(self, tensor, align_bytes=1):
         """Pinned memory only helps host-to-GPU copies: pin when a CUDA runtime exists, else return ``tensor``."""
         if torch.cuda.is_available():
-            return tensor.pin_memory()
+            from deepspeed.utils.pin_memory_tracker import track_pinned_memory
+            pinned = tensor.pin_memory()
+            track_pinned_memory(pinned.untyped_storage().nbytes())
+            return pinned
         return tensor
 
     def is_pinned(self, tensor):

@@ -134,7 +134,10 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
         return free
 
     def pin_memory(self, tensor, align_bytes=1):
-        return tensor.pin_memory()
+        from deepspeed.utils.pin_memory_tracker import track_pinned_memory
+        pinned = tensor.pin_memory()
+        track_pinned_memory(pinned.untyped_storage().nbytes())
+        return pinned
 
     def is_pinned(self, tensor):
         return tensor.is_pinned()

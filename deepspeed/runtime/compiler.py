@@ -27,3 +27,10 @@ def disable(fn):
 
 def is_compile_supported():
     return hasattr(torch, "compile")
+
+
+def is_compiling():
+    """Whether torch.compile is tracing the calling code now (False while dynamo is not loaded)."""
+    if not dynamo_loaded():
+        return False
+    return torch.compiler.is_compiling()

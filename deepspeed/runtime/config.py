@@ -31,6 +31,9 @@ from .constants import (ACTIVATION_CHECKPOINTING, AIO, AMP, CHECKPOINT, CHECKPOI
 from .precision.config import (DeepSpeedBF16Config, DeepSpeedFP16Config, bfloat16_section_name, get_bfloat16_config,
                                get_float16_config)
 from .zero.config import DeepSpeedZeroConfig, ZeroStageEnum, get_zero_config
+# Upstream's module also carries every key name and its raw-dict readers.
+from .config_getters import *  # noqa: E402,F401,F403
+from .constants import *  # noqa: E402,F401,F403
 
 EIGENVALUE = "eigenvalue"
 
@@ -87,6 +90,10 @@ class _TopLevelSettings(ConfigSection):
     zero_allow_untested_optimizer: bool = config_field(False, parse=boolean())
     zero_force_ds_cpu_optimizer: bool = config_field(True, parse=boolean())
     sequence_parallel_size: Optional[int] = config_field(None, parse=optional(integer(minimum=1)))
+    log_level: Optional[str] = config_field(None,
+                                            parse=optional(
+                                                one_of(("debug", "info", "warning", "error", "critical"),
+                                                       convert=str.lower)))
 
     @classmethod
     def from_top_level(cls, param_dict: dict) -> "_TopLevelSettings":
@@ -351,6 +358,7 @@ class DeepSpeedConfig:
         self.dataloader_drop_last = top.dataloader_drop_last
         self.zero_allow_untested_optimizer = top.zero_allow_untested_optimizer
         self.zero_force_ds_cpu_optimizer = top.zero_force_ds_cpu_optimizer
+        self.log_level = top.log_level
 
         self.zero_config: DeepSpeedZeroConfig = get_zero_config(param_dict)
         self.zero_optimization_stage = self.zero_config.stage

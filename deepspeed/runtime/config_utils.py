@@ -274,6 +274,8 @@ def section(cls) -> Parser:
     """A nested :class:`ConfigSection`."""
 
     def parse(value, path):
+        if isinstance(value, cls):  # an already built section (keyword construction passes these)
+            return value
         return cls.from_dict(value, path)
 
     return parse
@@ -366,6 +368,11 @@ class ConfigSection:
             spelled[spec.name] = key
             values[spec.name] = spec.metadata["parse"](value, join_path(path, key))
         values = cls._finalize(values, spelled, path)
+        return cls._from_values(values)
+
+    @classmethod
+    def _from_values(cls, values: dict):
+        """Build the section from parsed field values (a section with its own ``__init__`` overrides this)."""
         return cls(**values)
 
     @classmethod
@@ -396,3 +403,92 @@ class ConfigDict(dict):
 def get_scalar_param(param_dict: dict, param_name: str, param_default_value):
     """``param_dict.get(param_name, default)``, kept under its upstream name."""
     return param_dict.get(param_name, param_default_value)
+
+
+def get_list_param(param_dict: dict, param_name: str, param_default_value):
+    return param_dict.get(param_name, param_default_value)
+
+
+def get_dict_param(param_dict: dict, param_name: str, param_default_value):
+    return param_dict.get(param_name, param_default_value)
+
+
+def dict_raise_error_on_duplicate_keys(ordered_pairs):
+    """``json`` object-pairs hook: a dict of the pairs; ``ValueError`` listing the keys given more than once."""
+    seen, repeated = {}, []
+    for key, value in ordered_pairs:
+        if key in seen and key not in repeated:
+            repeated.append(key)
+        seen[key] = value
+    if repeated:
+        raise ValueError(f"Duplicate keys in DeepSpeed config: {repeated}")
+    return seen
+
+
+def get_config_default(config, field_name):
+    """The default of ``field_name`` in a config class or instance (a pydantic model or a section here)."""
+    fields = getattr(config, "model_fields", None)
+    if fields is not None:
+        if field_name not in fields:
+            raise AssertionError(f"'{field_name}' is not a field in {config}")
+        if fields[field_name].is_required():
+            raise AssertionError(f"'{field_name}' is a required field and does not have a default value")
+        return fields[field_name].get_default()
+    for spec in dataclasses.fields(config):
+        if spec.name == field_name:
+            if spec.default is not dataclasses.MISSING:
+                return spec.default
+            if spec.default_factory is not dataclasses.MISSING:
+                return spec.default_factory()
+            raise AssertionError(f"'{field_name}' is a required field and does not have a default value")
+    raise AssertionError(f"'{field_name}' is not a field in {config}")
+
+
+class pp_int(int):
+    """An int that prints with thousands separators (``10,000``), or as ``custom_print_str`` when given."""
+
+    def __new__(cls, val, custom_print_str=None):
+        obj = super().__new__(cls, val)
+        obj.custom_print_str = custom_print_str
+        return obj
+
+    def __repr__(self):
+        return self.custom_print_str if self.custom_print_str else f"{int(self):,}"
+
+
+class ScientificNotationEncoder(json.JSONEncoder):
+    """``json.dumps(..., cls=ScientificNotationEncoder)``: numbers above 1e3 in scientific notation
+    (``5.000000e+08``), the rest as usual, mappings one key per line."""
+
+    def iterencode(self, o, _one_shot=False, level=0):
+        indent = " " * (self.indent if self.indent is not None else 4)
+        if isinstance(o, bool):
+            return "true" if o else "false"
+        if isinstance(o, (int, float)):
+            return f"{o:e}" if o > 1e3 else f"{o}"
+        if isinstance(o, dict):
+            inner = indent * (level + 1)
+            items = [f'\n{inner}"{k}": {self.iterencode(v, level=level + 1)}' for k, v in o.items()]
+            return "{" + ", ".join(items) + f"\n{indent * level}" + "}"
+        if isinstance(o, (list, tuple)):
+            return "[" + ", ".join(self.iterencode(v, level=level) for v in o) + "]"
+        return "".join(super().iterencode(o, _one_shot))
+
+
+class DeepSpeedConfigObject:
+    """An object whose ``repr`` is its attributes as indented JSON (large numbers in scientific notation)."""
+
+    def repr(self):
+        return self.__dict__
+
+    def __repr__(self):
+        return json.dumps(self.__dict__, sort_keys=True, indent=4, cls=ScientificNotationEncoder, default=str)
+
+
+def __getattr__(name):
+    # DeepSpeedConfigModel needs pydantic, which only code written against upstream's sections uses: it is
+    # imported on first use of the name (see config_model.py).
+    if name == "DeepSpeedConfigModel":
+        from .config_model import DeepSpeedConfigModel
+        return DeepSpeedConfigModel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -169,6 +169,7 @@ AUTO_ALLOWED_PATHS = frozenset({
 
 # Top-level keys upstream reads. Anything else at the top level is ignored with a warning.
 KNOWN_TOP_LEVEL_KEYS = frozenset({
+    "log_level",
     TRAIN_BATCH_SIZE,
     TRAIN_MICRO_BATCH_SIZE_PER_GPU,
     GRADIENT_ACCUMULATION_STEPS,
@@ -233,3 +234,71 @@ KNOWN_TOP_LEVEL_KEYS = frozenset({
     "disable_python_gc",
     "log_level",
 })
+
+#########################################
+# More of upstream's key names and defaults (importable from deepspeed.runtime.constants and .config;
+# the parser above reads the same keys)
+#########################################
+BFLOAT16_CHECK_OVERFLOW_DEFAULT = False
+BFLOAT16_ENABLED = "enabled"
+BFLOAT16_ENABLED_DEFAULT = False
+BFLOAT16_IMMEDIATE_GRAD_UPDATE = "immediate_grad_update"
+BFLOAT16_IMMEDIATE_GRAD_UPDATE_DEFAULT = True
+BFLOAT16_MASTER_WEIGHTS_AND_GRADS = "bf16_master_weights_and_grads"
+BFLOAT16_MASTER_WEIGHTS_AND_GRADS_DEFAULT = False
+BFLOAT16_OPTIMIZER_STATES = "bf16_optimizer_states"
+BFLOAT16_OPTIMIZER_STATES_DEFAULT = False
+BUFFER_DTYPE = "buffer_dtype"
+BUFFER_DTYPE_DEFAULT = None
+CHECKPOINT_PARALLEL_WRITE = "parallel_write"
+CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE = "pipeline_stage"
+CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE_DEFAULT = False
+CHECKPOINT_TAG_VALIDATION = "tag_validation"
+CHECKPOINT_TAG_VALIDATION_DEFAULT = "WARN"
+CHECK_OVERFLOW = "check_overflow"
+DATA_PARALLEL_GROUP = "data_parallel_group"
+DDP_BFLOAT16 = "ddp_bf16"
+DISABLE_PYTHON_GC = "disable_python_gc"
+DISABLE_PYTHON_GC_DEFAULT = False
+FP16_AUTO_CAST = "auto_cast"
+FP16_AUTO_CAST_DEFAULT = False
+FP16_CONSECUTIVE_HYSTERESIS = "consecutive_hysteresis"
+FP16_CONSECUTIVE_HYSTERESIS_DEFAULT = False
+FP16_ENABLED = "enabled"
+FP16_ENABLED_DEFAULT = False
+FP16_HYSTERESIS = "hysteresis"
+FP16_HYSTERESIS_DEFAULT = 2
+FP16_INITIAL_SCALE_POWER = "initial_scale_power"
+FP16_INITIAL_SCALE_POWER_DEFAULT = 16
+FP16_LOSS_SCALE = "loss_scale"
+FP16_LOSS_SCALE_DEFAULT = 0
+FP16_LOSS_SCALE_WINDOW = "loss_scale_window"
+FP16_LOSS_SCALE_WINDOW_DEFAULT = 1000
+FP16_MASTER_WEIGHTS_AND_GRADS = "fp16_master_weights_and_grads"
+FP16_MASTER_WEIGHTS_AND_GRADS_DEFAULT = False
+FP16_MIN_LOSS_SCALE = "min_loss_scale"
+FP16_MIN_LOSS_SCALE_DEFAULT = 1
+GLOBAL_RANK = "global_rank"
+KEEP_IN_FP32_MODULES = "keep_in_fp32_modules"
+KEEP_IN_FP32_MODULES_DEFAULT = "auto"
+LOAD_UNIVERSAL_CHECKPOINT = "load_universal"
+LOAD_UNIVERSAL_CHECKPOINT_DEFAULT = False
+LOG_LEVEL = "log_level"
+LOG_LEVEL_DEFAULT = None
+PARAM_DTYPE = "param_dtype"
+PARAM_DTYPE_DEFAULT = None
+PIPE_REPLICATED = "ds_pipe_replicated"
+ROUTE_ENCODE = "encode"
+ROUTE_EVAL = "eval"
+ROUTE_PREDICT = "predict"
+ROUTE_TRAIN = "train"
+TORCH_AUTOCAST_DTYPE = "dtype"
+TORCH_AUTOCAST_ENABLED = "enabled"
+TORCH_AUTOCAST_ENABLED_DEFAULT = False
+TORCH_AUTOCAST_LOWER_PRECISION_SAFE_MODULES = "lower_precision_safe_modules"
+USE_DATA_BEFORE_EXPERT_PARALLEL = "use_data_before_expert_parallelism"
+USE_DATA_BEFORE_EXPERT_PARALLEL_DEFAULT = False
+USE_NODE_LOCAL_STORAGE_CHECKPOINT = "use_node_local_storage"
+USE_NODE_LOCAL_STORAGE_CHECKPOINT_DEFAULT = False
+VOCABULARY_SIZE = "vocabulary_size"
+VOCABULARY_SIZE_DEFAULT = None

@@ -1,8 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The data loader ``deepspeed.initialize(training_data=...)`` returns: one shard of the data per rank."""
+"""The data loader ``deepspeed.initialize(training_data=...)`` returns (one shard of the data per rank), and
+``RepeatingLoader``, which restarts a loader when it ends."""
 
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+
+
+class RepeatingLoader:
+    """Iterate over ``loader`` forever: when it is exhausted, a new iterator over it starts (a new epoch)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
 
 
 class DeepSpeedDataLoader:

@@ -17,21 +17,23 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops import grad_ops_native
-from deepspeed.runtime import agreement, engine_lifecycle, lr_schedules
+from deepspeed.runtime import agreement, engine_lifecycle, lr_schedules, torch_autocast
 from deepspeed.runtime.accumulation import AccumulationWindow
 from deepspeed.runtime.audit import AuditSchedule, auditing
 from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
-from deepspeed.runtime.engine_optimizer import EngineOptimizer
 from deepspeed.runtime.instrumentation import EngineInstrumentation
 from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
+from deepspeed.runtime.precision.module_cast import cast_for_precision
 from deepspeed.runtime.precision.overflow import report_skipped_step
+from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
+from deepspeed.runtime.unused_parameters import UnusedParameterCheck
 from deepspeed.runtime.usage_errors import EngineUsageError, require_scalar_loss
 from deepspeed.runtime.zero.stages import StageConfig, build_stage
-from deepspeed.utils.logging import log_dist
+from deepspeed.utils.logging import log_dist, set_log_level_from_string
 from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
 
 
@@ -63,6 +65,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.config = self._config._param_dict
         cfg = self._config
 
+        if cfg.log_level is not None:  # the config's "log_level" sets the DeepSpeed logger, as upstream
+            set_log_level_from_string(cfg.log_level)
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.dp_world_size = self.world_size
@@ -96,6 +100,11 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._prepare_module(model, dont_change_device)
         self.loss_scaler = create_loss_scaler(cfg.fp16_enabled, cfg.loss_scale, cfg.dynamic_loss_scale_args)
 
+        self._torch_autocast_dtype = None
+        if cfg.torch_autocast_enabled:
+            self._torch_autocast_dtype = torch_autocast.resolve_autocast_dtype(cfg.torch_autocast_dtype)
+            torch_autocast.init_autocast_params(self, self._torch_autocast_dtype,
+                                                self.torch_autocast_lower_precision_safe_modules())
         self.basic_optimizer = self._build_optimizer(optimizer, model_parameters)
         self.optimizer = None
         self._stage = None
@@ -134,8 +143,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         apply_zero_leaf_module_config(model, cfg.zero_config.leaf_module)
         if not dont_change_device:
             model.to(self.device)
-        if self._dtype != torch.float32:
-            model.to(self._dtype)
+        if self._dtype != torch.float32:  # fp32 training casts nothing, buffer_dtype included (as upstream)
+            cast_for_precision(model, self._dtype, cfg.buffer_dtype)
         self._broadcast_model()
 
     @torch.no_grad()
@@ -191,13 +200,21 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                   self.window,
                                   device=self.device,
                                   group=self.data_parallel_group)
-        self.optimizer = EngineOptimizer(self.basic_optimizer,
-                                         self._stage,
-                                         self.loss_scaler,
-                                         cfg.gradient_clipping,
-                                         self.zero_grad,
-                                         check_overflow=cfg.check_grad_overflow)
+        # The optimizer's class is the one upstream returns for this configuration (isinstance checks).
+        optimizer_class = returned_optimizer_class(cfg.zero_optimization_stage, self._dtype, cfg.grad_accum_dtype,
+                                                   self.basic_optimizer,
+                                                   self._offload_optimizer_device() != "none")
+        self.optimizer = build_returned_optimizer(optimizer_class,
+                                                  self.basic_optimizer,
+                                                  self._stage,
+                                                  self.loss_scaler,
+                                                  cfg.gradient_clipping,
+                                                  self.zero_grad,
+                                                  check_overflow=cfg.check_grad_overflow)
         self._ownership = ownership.Ownership(self._stage)
+        self._unused_check = None
+        if cfg.zero_optimization_stage in (1, 2, 3) and not cfg.zero_config.ignore_unused_parameters:
+            self._unused_check = UnusedParameterCheck(self.module, self.data_parallel_group, self.device)
 
     def _build_lr_scheduler(self, client_scheduler):
         cfg = self._config
@@ -256,6 +273,17 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def bfloat16_enabled(self):
         return self._config.bfloat16_enabled
 
+    def torch_autocast_enabled(self):
+        return self._config.torch_autocast_enabled
+
+    def torch_autocast_dtype(self):
+        """The dtype forwards autocast to (``torch_autocast.dtype``, or the device's default), None when off."""
+        return self._torch_autocast_dtype
+
+    def torch_autocast_lower_precision_safe_modules(self):
+        names = self._config.torch_autocast_lower_precision_safe_modules
+        return torch_autocast.get_default_autocast_lower_precision_modules() if names is None else names
+
     def managed_gradient_accumulation(self):
         return self._config.managed_gradient_accumulation
 
@@ -306,12 +334,21 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if self.zero_optimization_stage() >= 2:
             raise EngineUsageError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
                                    f"gradients are partitioned during every backward")
+        if self.window.deferred():  # inside no_sync() or coalesce_grad_reduction() already
+            raise EngineUsageError("no_sync context manager reentry is unsupported (no_sync() inside no_sync() or "
+                                   "coalesce_grad_reduction())")
         with self.window.no_sync():
             yield
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self):
-        """Defer gradient reduction over every backward inside the context to one pass at its exit."""
+        """Defer gradient reduction over every backward inside the context to one pass at its exit.
+
+        ``step()`` inside the context, and nesting it with ``no_sync()`` or itself, raise (as upstream).
+        """
+        if self.window.deferred():
+            raise EngineUsageError("coalesce_grad_reduction cannot be nested inside another no_sync context "
+                                   "(no_sync() or coalesce_grad_reduction())")
         with self.window.coalesced():
             yield
         if not self.window.deferred() and self._stage is not None and self.window.at_boundary():
@@ -371,7 +408,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._audit.on_forward(inputs, kwargs)
         # The audit's own forward passes are not training: they are neither timed nor profiled.
         with self._instruments.forward() if not auditing() else contextlib.nullcontext():
-            outputs = self.module(*inputs, **kwargs)
+            with torch_autocast.autocast_if_enabled(self):
+                outputs = self.module(*inputs, **kwargs)
         if self._stage is not None:
             if torch.is_grad_enabled():
                 ownership.arm_outputs(self._stage.pipeline, outputs)
@@ -417,6 +455,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     # ------------------------------------------------------------------- step
     def step(self, lr_kwargs=None):
         """End a micro-step; at the accumulation boundary apply the optimizer (see the module docstring)."""
+        if self.window.deferred():
+            raise EngineUsageError("It is illegal to call Engine.step() inside no_sync context manager (no_sync() or "
+                                   "coalesce_grad_reduction()): leave the context first")
         registry.discard_stale_sessions()
         with self.window.stepping():
             boundary = self.is_gradient_accumulation_boundary()
@@ -425,6 +466,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             if boundary and self._stage is not None and self._stage.window_is_empty():
                 self._skip_empty_step()
                 return
+            if boundary and getattr(self, "_unused_check", None) is not None:
+                self._unused_check.check()  # ignore_unused_parameters: false (raises on every rank)
             with self._instruments.step(boundary):
                 if boundary:
                     self._take_model_step(lr_kwargs)
@@ -468,6 +511,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         """Discard the gradients of the current accumulation window (and any failed backward's state)."""
         registry.discard_stale_sessions()
         self._audit.discard_window()
+        if getattr(self, "_unused_check", None) is not None:
+            self._unused_check.reset()
         if self._stage is not None:
             self._stage.zero_window()
         else:
@@ -491,6 +536,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if self._ownership is not None:
             self._ownership.release()
             self._ownership = None
+        if getattr(self, "_unused_check", None) is not None:
+            self._unused_check.remove()
+            self._unused_check = None
         if self._stage is not None:
             self._stage.release()
         engine_lifecycle.retire(self)

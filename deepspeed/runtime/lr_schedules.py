@@ -267,6 +267,11 @@ class OneCycle(_BatchSchedule):
         self.first_step_size = float(cycle_first_step_size)
         self.second_step_size = (float(cycle_second_step_size)
                                  if cycle_second_step_size is not None else self.first_step_size)
+        # A cycle needs a rising half: a zero or negative first half has no shape (and divides by zero below).
+        if not self.first_step_size > 0:
+            raise ValueError(f"cycle_first_step_size must be positive, got {cycle_first_step_size}")
+        if self.second_step_size < 0:
+            raise ValueError(f"cycle_second_step_size must be non-negative, got {cycle_second_step_size}")
         self.total_size = self.first_step_size + self.second_step_size
         self.step_ratio = self.first_step_size / self.total_size
         self.first_stair_count = cycle_first_stair_count

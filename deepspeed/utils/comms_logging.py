@@ -80,6 +80,11 @@ def caller_name(depth):
         return "<unknown>"
 
 
+def get_caller_func(frame=3):
+    """The name of the function ``frame`` frames up from this one (upstream's helper for naming collectives)."""
+    return sys._getframe(frame).f_code.co_name
+
+
 class CommsLogger:
     """The records of one process (see the module docstring); configured by ``deepspeed.comm.configure``."""
 

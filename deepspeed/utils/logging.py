@@ -91,6 +91,16 @@ def log_dist(message, ranks=None, level=logging.INFO):
         logger.log(level, message, stacklevel=2)
 
 
+@functools.lru_cache(maxsize=None)
+def _log_once(message, ranks, level):
+    log_dist(message, ranks=None if ranks is None else list(ranks), level=level)
+
+
+def log_dist_once(message, ranks=None, level=logging.INFO):
+    """:func:`log_dist`, but each distinct (message, ranks, level) is logged once per process."""
+    _log_once(message, None if ranks is None else tuple(ranks), level)
+
+
 def print_rank_0(message):
     """Print ``message`` on global rank 0 only (and in a process outside a distributed job)."""
     if _global_rank() <= 0:
@@ -118,9 +128,13 @@ def get_log_level_from_string(log_level_str):
 
 
 def set_log_level_from_string(log_level_str, custom_logger=None):
-    """Set the level of ``custom_logger`` (default: the DeepSpeed logger)."""
+    """Set the level of ``custom_logger`` (default: the DeepSpeed logger) and of its handlers, from a name
+    (``"debug"``, ``"info"``, ``"warning"``, ``"error"``, ``"critical"``, any case)."""
     target = logger if custom_logger is None else custom_logger
-    target.setLevel(get_log_level_from_string(log_level_str))
+    level = get_log_level_from_string(log_level_str)
+    target.setLevel(level)
+    for handler in target.handlers:
+        handler.setLevel(level)
 
 
 def should_log_le(max_log_level_str):

@@ -87,3 +87,18 @@ safe_set_local_grad = safe_set_full_grad
 safe_set_local_fp32_param = safe_set_full_fp32_param
 safe_get_local_optimizer_state = safe_get_full_optimizer_state
 safe_set_local_optimizer_state = safe_set_full_optimizer_state
+
+
+def safe_update_full_grad_vectorized(param_list, update_func):
+    """Replace each parameter's full gradient ``g`` by ``update_func(g, param)``.
+
+    The gradient passed in, and the one written back, is the reduced, unscaled full gradient of
+    :func:`safe_get_full_grad` (in the accumulation dtype, fp32 by default), so the update does not lose
+    precision through the 16-bit model dtype. Call it on every rank with the same parameters, between the
+    boundary backward and ``step()``, as the getters. Parameters without a gradient are left alone.
+    """
+    for param in param_list:
+        grad = safe_get_full_grad(param)
+        if grad is None:
+            continue
+        safe_set_full_grad(param, update_func(grad, param))

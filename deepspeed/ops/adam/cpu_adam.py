@@ -23,6 +23,7 @@ import torch
 
 from deepspeed.ops.adam import host_adam
 from deepspeed.ops.adam.fused_adam import TorchKernelAdam
+from deepspeed.ops.adam.subgroup_step import SubgroupStepMixin
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _MOMENT_KEYS = ('exp_avg', 'exp_avg_sq', 'max_exp_avg_sq')
@@ -36,7 +37,7 @@ def _as_group_lists(fp16_param_groups):
     return fp16_param_groups
 
 
-class DeepSpeedCPUAdam(TorchKernelAdam):
+class DeepSpeedCPUAdam(SubgroupStepMixin, TorchKernelAdam):
     """Adam (``adamw_mode=False``) or AdamW (``adamw_mode=True``, the default) for offloaded states.
 
     Parameters may live on any device (the kernels are torch's), though the offload path

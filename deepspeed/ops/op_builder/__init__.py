@@ -12,11 +12,12 @@ from .builder import (  # noqa: F401
     CUDAOpBuilder, OpBuilder, TorchCPUOpBuilder, UnsupportedOpBuilder, get_default_compute_capabilities)
 from .cpu_adam import CPUAdamBuilder  # noqa: F401
 from .grad_ops import GradOpsBuilder  # noqa: F401
+from .torch_ops import FusedAdamBuilder, TorchImplementedOpBuilder  # noqa: F401
 from .unsupported import (  # noqa: F401
     AsyncIOBuilder, CPUAdagradBuilder, CPULionBuilder, DeepCompileBuilder, EvoformerAttnBuilder, FPQuantizerBuilder,
-    FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, GDSBuilder, InferenceBuilder, InferenceCoreBuilder,
-    InferenceCutlassBuilder, NotImplementedBuilder, QuantizerBuilder, RaggedOpsBuilder, RaggedUtilsBuilder,
-    RandomLTDBuilder, SparseAttnBuilder, SpatialInferenceBuilder, StochasticTransformerBuilder, TransformerBuilder)
+    FusedLambBuilder, FusedLionBuilder, GDSBuilder, InferenceBuilder, InferenceCoreBuilder, InferenceCutlassBuilder,
+    NotImplementedBuilder, QuantizerBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, RandomLTDBuilder, SparseAttnBuilder,
+    SpatialInferenceBuilder, StochasticTransformerBuilder, TransformerBuilder)
 
 # Upstream's accelerators look for this marker to tell its op builders from a third party's.
 __deepspeed__ = True

@@ -4,12 +4,14 @@
 from .builder import UnsupportedOpBuilder
 from .cpu_adam import CPUAdamBuilder
 from .grad_ops import GradOpsBuilder
+from .torch_ops import TORCH_BUILDERS
 from .unsupported import UNSUPPORTED_BUILDERS
 
 BUILT_BUILDERS = [CPUAdamBuilder, GradOpsBuilder]
+TORCH_OP_NAMES = {builder.NAME for builder in TORCH_BUILDERS}
 """The ops this package builds (prebuilt by ``DS_BUILD_OPS=1``, JIT otherwise)."""
 
-ALL_OPS = {builder.NAME: builder() for builder in BUILT_BUILDERS + UNSUPPORTED_BUILDERS}
+ALL_OPS = {builder.NAME: builder() for builder in BUILT_BUILDERS + TORCH_BUILDERS + UNSUPPORTED_BUILDERS}
 
 
 def prebuild_selection(environ):
@@ -37,4 +39,7 @@ def prebuild_selection(environ):
     for name, builder in ALL_OPS.items():
         if builder.BUILD_VAR and environ.get(builder.BUILD_VAR) == "1" and isinstance(builder, UnsupportedOpBuilder):
             notes.append(f"{builder.BUILD_VAR}=1 ignored: {name} is not built by this package ({builder.REASON})")
+        elif builder.BUILD_VAR and environ.get(builder.BUILD_VAR) == "1" and name in TORCH_OP_NAMES:
+            notes.append(f"{builder.BUILD_VAR}=1 ignored: {name} is implemented in torch ({builder.MODULE}), "
+                         f"nothing to build")
     return builders, notes

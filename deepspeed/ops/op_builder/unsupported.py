@@ -22,12 +22,6 @@ class GDSBuilder(UnsupportedOpBuilder):
     REASON = "GPUDirect Storage (NVMe offload) is not supported; offload goes to CPU memory"
 
 
-class FusedAdamBuilder(UnsupportedOpBuilder):
-    NAME = "fused_adam"
-    BUILD_VAR = "DS_BUILD_FUSED_ADAM"
-    REASON = "deepspeed.ops.adam.FusedAdam runs on torch's fused Adam kernels, which need no separate op"
-
-
 class FusedLambBuilder(UnsupportedOpBuilder):
     NAME = "fused_lamb"
     BUILD_VAR = "DS_BUILD_FUSED_LAMB"
@@ -143,8 +137,8 @@ class NotImplementedBuilder(UnsupportedOpBuilder):
 
 
 UNSUPPORTED_BUILDERS = [
-    AsyncIOBuilder, GDSBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, CPUAdagradBuilder,
-    CPULionBuilder, EvoformerAttnBuilder, FPQuantizerBuilder, QuantizerBuilder, RandomLTDBuilder, SparseAttnBuilder,
+    AsyncIOBuilder, GDSBuilder, FusedLambBuilder, FusedLionBuilder, CPUAdagradBuilder, CPULionBuilder,
+    EvoformerAttnBuilder, FPQuantizerBuilder, QuantizerBuilder, RandomLTDBuilder, SparseAttnBuilder,
     TransformerBuilder, StochasticTransformerBuilder, InferenceBuilder, SpatialInferenceBuilder, InferenceCoreBuilder,
     InferenceCutlassBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, DeepCompileBuilder, NotImplementedBuilder
 ]

@@ -21,11 +21,13 @@ two saves, thanks to the save id).
 import os
 import uuid
 
+import deepspeed.comm as dist
 from deepspeed.runtime.checkpoint import model_state, paths
 from deepspeed.runtime.checkpoint.optimizer_state import export_scaler
 from deepspeed.runtime.checkpoint.stage_checkpoint import SaveContext, checkpoint_of
-from deepspeed.runtime.checkpoint.validate import agree, check_dir, check_tag, require_same
+from deepspeed.runtime.checkpoint.validate import agree, check_dir, check_tag
 from deepspeed.runtime.checkpoint.writer import SaveWriter, atomic_copy
+from deepspeed.runtime.checkpoint_tag_validation import resolve_tag
 from deepspeed.utils.logging import logger
 
 
@@ -59,7 +61,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True, exclud
     except Exception as exc:
         error = exc
     agreed = agree(error, (str(tag), uuid.uuid4().hex), group)
-    tag = require_same([t for t, _ in agreed], "save_checkpoint: the checkpoint tag")
+    tag = resolve_tag([t for t, _ in agreed], dist.get_rank(group=group), engine._config)  # tag_validation decides
     save_id = agreed[0][1]
 
     writer = SaveWriter()

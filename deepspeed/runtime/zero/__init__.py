@@ -2,4 +2,8 @@
 """``deepspeed.zero``: ZeRO stages, and the ZeRO-3 construction/gathering API."""
 
 from deepspeed.runtime.zero.partition_parameters import (  # noqa: F401
-    GatheredParameters, Init, ZeroParamStatus, register_external_parameter, unregister_external_parameter)
+    DeepSpeedTensorOverride, GatheredParameters, Init, ZeroParamStatus, ZeroParamType, register_external_parameter,
+    unregister_external_parameter)
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload  # noqa: F401
+from deepspeed.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias  # noqa: F401
+from deepspeed.runtime.zero.generation import unwrap_model_for_generation  # noqa: F401

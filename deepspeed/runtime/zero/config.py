@@ -38,6 +38,11 @@ class ZeroStageEnum:
 
 ZERO_STAGES = (0, 1, 2, 3)
 
+
+class ConflictingZeroKeysError(DeepSpeedConfigError, AssertionError):
+    """A deprecated ``zero_optimization`` key given together with the key that replaces it."""
+
+
 _size = size()
 
 DEFAULT_LEAF_MODULE_CLASSES = (
@@ -59,9 +64,16 @@ class DeepSpeedZeroLeafModuleConfig(ConfigSection):
         return {key: tuple(dict.fromkeys(items)) for key, items in values.items()}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class DeepSpeedZeroConfig(ConfigSection):
-    """Validated ``zero_optimization`` settings. Build with :func:`get_zero_config` or ``from_dict``."""
+    """Validated ``zero_optimization`` settings.
+
+    Build with :func:`get_zero_config`, ``from_dict``, or upstream's keyword form
+    ``DeepSpeedZeroConfig(**section)``: the keywords are the section's keys, with every alias
+    (``stage3_prefetch_bucket_size``, ...) and deprecated key (``cpu_offload``, ``cpu_offload_param``,
+    ``stage3_gather_fp16_weights_on_model_save``) and the same checks; a deprecated key given together
+    with its replacement raises :class:`ConflictingZeroKeysError` (an ``AssertionError``, as upstream).
+    """
     stage: int = config_field(0, parse=integer(choices=ZERO_STAGES))
     contiguous_gradients: bool = config_field(True, parse=boolean())
     reduce_scatter: bool = config_field(True, parse=boolean())
@@ -120,6 +132,24 @@ class DeepSpeedZeroConfig(ConfigSection):
     parameter_alignment: bool = config_field(False, parse=boolean())
     leaf_module: DeepSpeedZeroLeafModuleConfig = config_field(default_factory=DeepSpeedZeroLeafModuleConfig,
                                                               parse=section(DeepSpeedZeroLeafModuleConfig))
+
+    def __init__(self, **kwargs):
+        built = type(self).from_dict(kwargs, ZERO_OPTIMIZATION)
+        for spec in dataclasses.fields(self):
+            object.__setattr__(self, spec.name, getattr(built, spec.name))
+
+    @classmethod
+    def _from_values(cls, values):
+        built = object.__new__(cls)
+        for spec in dataclasses.fields(cls):
+            if spec.name in values:
+                value = values[spec.name]
+            elif spec.default_factory is not dataclasses.MISSING:
+                value = spec.default_factory()
+            else:
+                value = spec.default
+            object.__setattr__(built, spec.name, value)
+        return built
 
     @classmethod
     def _finalize(cls, values, spelled, path):
@@ -203,8 +233,8 @@ def _migrate_cpu_offload(values, spelled, path, old_key, new_key, new_cls):
     if not values.get(old_key):
         return
     if values.get(new_key) is not None:
-        raise DeepSpeedConfigError(f"config keys '{path}.{old_key}' (deprecated) and '{path}.{new_key}' "
-                                   f"cannot both be given; use only '{path}.{new_key}'")
+        raise ConflictingZeroKeysError(f"config keys '{path}.{old_key}' (deprecated) and '{path}.{new_key}' "
+                                       f"cannot both be given; use only '{path}.{new_key}'")
     logger.warning(f"config key '{path}.{old_key}' is deprecated; use '{path}.{new_key}': "
                    "{\"device\": \"cpu\"}")
     values[new_key] = new_cls(device=OffloadDeviceEnum.cpu, pin_memory=bool(values.get("cpu_offload_use_pin_memory")))

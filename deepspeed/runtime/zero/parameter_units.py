@@ -278,6 +278,18 @@ class UnitCoordinator:
                 self._finish_gather(unit)
             self._maybe_release(unit)
 
+    def hold_all(self):
+        """Gather every unit and keep it until :meth:`drop_all_holds` (a forward reference on each)."""
+        for unit in self.units:
+            unit.fwd_refs += 1
+            self.gather(unit)
+
+    def drop_all_holds(self):
+        """Undo :meth:`hold_all`: release the units nobody else needs."""
+        for unit in self.units:
+            unit.fwd_refs -= 1
+            self._maybe_release(unit)
+
     def release_all(self):
         """Drop every gathered copy, persistent ones too (their shards changed: the step updated them)."""
         for unit in self.units:

@@ -16,6 +16,7 @@ releases them through module hooks (``stage3.py``).
 import contextlib
 import functools
 import itertools
+from enum import Enum
 
 import torch
 
@@ -128,68 +129,69 @@ def write_shard_from_full(param, full):
         param.ds_tensor[:take].copy_(flat[start:start + take])
 
 
+# The shape of a released parameter's ``.data`` (upstream's module global).
+partitioned_param_data_shape = [0]
+
+
 def release_param(param):
-    param.data = torch.empty(0, dtype=param.dtype, device=param.data.device)
+    param.data = torch.empty(partitioned_param_data_shape, dtype=param.dtype, device=param.data.device)
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
-class Init:
-    """Partition parameters as modules are built, so a model larger than one device can be created.
+class DeepSpeedTensorOverride(Enum):
+    """What ``zero.Init`` overrides in tensors created inside it (upstream's names)."""
+    dtype = 1
+    device = 2
 
-    Every ``torch.nn.Module`` subclass's ``__init__`` is wrapped while the context is
-    active: when a module's ``__init__`` returns, its own parameters are broadcast from
-    rank 0 (ranks initialise with different RNG states) and partitioned. Children are
-    partitioned when their own ``__init__`` returns, so a parent's ``__init__`` must not
-    write into its children's parameters (use ``GatheredParameters`` for that).
-    ``enabled=False`` makes the context a no-op.
+
+DEFAULT_TENSOR_OVERRIDES = [DeepSpeedTensorOverride.dtype, DeepSpeedTensorOverride.device]
+
+
+class ZeroParamType(Enum):
+    """How a parameter is held: whole on every rank, partitioned over the data-parallel ranks, or on one rank."""
+    NORMAL = 1
+    PARTITIONED = 2
+    REMOTE = 3
+
+
+class MultipleAllGatherHandles:
+    """Several in-flight gathers waited on as one: ``wait()`` waits for each handle in order."""
+
+    def __init__(self, handles):
+        self.handles = list(handles)
+
+    def wait(self, handle_dependency=True) -> None:
+        for handle in self.handles:
+            try:
+                handle.wait(handle_dependency=handle_dependency)
+            except TypeError:  # a torch Work handle takes no such argument
+                handle.wait()
+
+
+class InsertPostInitMethodToModuleSubClasses:
+    """A context that calls ``self._post_init_method(module)`` when a module built inside it is complete.
+
+    While the context is active the ``__init__`` of every ``torch.nn.Module`` subclass that defines one (also of
+    classes defined inside the context) is wrapped; when the outermost ``__init__`` of a module returns (a
+    subclass's ``__init__`` calling its parent's counts once), ``_post_init_method`` runs on it. A module whose
+    only ``__init__`` is ``torch.nn.Module``'s own (``Tanh``) has no parameters of its own and is skipped.
+    Children are complete before their parent, so they are handed over first. On exit every class is restored.
+    ``enabled=False`` makes the context a no-op. ``dtype`` is the dtype parameters are created in:
+    ``torch.half``, ``torch.bfloat16`` or ``torch.float`` (None: as built).
     """
 
-    def __init__(self,
-                 module=None,
-                 data_parallel_group=None,
-                 mem_efficient_linear=True,
-                 remote_device=None,
-                 pin_memory=False,
-                 config_dict_or_path=None,
-                 config=None,
-                 enabled=True,
-                 dtype=None,
-                 mpu=None,
-                 zero_param_parallel_group=None,
-                 zero_quantized_weights=False,
-                 zero_quantized_nontrainable_weights=False,
-                 sequence_data_parallel_group=None,
-                 param_swapper=None):
+    def __init__(self, enabled=True, mem_efficient_linear=True, ds_config=None, dtype=None):
         self.enabled = enabled
+        self.mem_efficient_linear = mem_efficient_linear
         self.dtype = dtype
-        self.group = data_parallel_group
-        self.remote_device = remote_device
-        self.pin_memory = pin_memory
+        if dtype is not None and dtype not in (torch.half, torch.bfloat16, torch.float):
+            raise ValueError(f"Invalid data type {dtype}, allowed values are [torch.half, torch.bfloat16, "
+                             f"torch.float]")
         self._patched = []
-        if module is not None and enabled:
-            self._partition_module(module)
+        self._orig_init_subclass = None
 
-    def _shard_device(self):
-        if self.remote_device in ("cpu", ) or (self.remote_device is None and get_accelerator()._name == "cpu"):
-            return torch.device("cpu")
-        if self.remote_device == "nvme":
-            raise NotImplementedError("zero.Init(remote_device='nvme') is not supported; see docs/compatibility.md")
-        return torch.device(get_accelerator().current_device_name())
-
-    def _partition_module(self, module):
-        import deepspeed.comm as dist
-        device = self._shard_device()
-        world, _ = _dp_world()
-        for param in module.parameters(recurse=False):
-            if is_zero_param(param):
-                continue
-            if world > 1:  # ranks initialise with their own RNG: shard rank 0's values everywhere
-                with torch.no_grad():
-                    data = param.data.to(get_accelerator().current_device_name()) \
-                        if get_accelerator()._name != "cpu" else param.data
-                    dist.broadcast(data, src=0, group=self.group)
-                    param.data = data
-            partition_param(param, shard_device=device, dtype=self.dtype)
+    def _post_init_method(self, module):
+        """Called once per module built inside the context (subclasses implement it)."""
 
     def __enter__(self):
         if not self.enabled:
@@ -210,7 +212,7 @@ class Init:
                 finally:
                     object.__setattr__(module, "_ds_init_depth", depth)
                 if depth == 0:
-                    context._partition_module(module)
+                    context._post_init_method(module)
 
             init._ds_init_wrapped = True
             cls.__init__ = init
@@ -243,6 +245,66 @@ class Init:
         else:
             torch.nn.Module.__init_subclass__ = self._orig_init_subclass
         return False
+
+
+class Init(InsertPostInitMethodToModuleSubClasses):
+    """Partition parameters as modules are built, so a model larger than one device can be created.
+
+    Every ``torch.nn.Module`` subclass's ``__init__`` is wrapped while the context is
+    active: when a module's ``__init__`` returns, its own parameters are broadcast from
+    rank 0 (ranks initialise with different RNG states) and partitioned. Children are
+    partitioned when their own ``__init__`` returns, so a parent's ``__init__`` must not
+    write into its children's parameters (use ``GatheredParameters`` for that).
+    ``enabled=False`` makes the context a no-op.
+    """
+
+    def __init__(self,
+                 module=None,
+                 data_parallel_group=None,
+                 mem_efficient_linear=True,
+                 remote_device=None,
+                 pin_memory=False,
+                 config_dict_or_path=None,
+                 config=None,
+                 enabled=True,
+                 dtype=None,
+                 mpu=None,
+                 zero_param_parallel_group=None,
+                 zero_quantized_weights=False,
+                 zero_quantized_nontrainable_weights=False,
+                 sequence_data_parallel_group=None,
+                 param_swapper=None):
+        super().__init__(enabled=enabled, mem_efficient_linear=mem_efficient_linear, dtype=dtype)
+        self.group = data_parallel_group
+        self.remote_device = remote_device
+        self.pin_memory = pin_memory
+        if module is not None and enabled:
+            self._partition_module(module)
+
+    def _shard_device(self):
+        if self.remote_device in ("cpu", ) or (self.remote_device is None and get_accelerator()._name == "cpu"):
+            return torch.device("cpu")
+        if self.remote_device == "nvme":
+            raise NotImplementedError("zero.Init(remote_device='nvme') is not supported; see docs/compatibility.md")
+        return torch.device(get_accelerator().current_device_name())
+
+    def _partition_module(self, module):
+        import deepspeed.comm as dist
+        device = self._shard_device()
+        world, _ = _dp_world()
+        for param in module.parameters(recurse=False):
+            if is_zero_param(param):
+                continue
+            if world > 1:  # ranks initialise with their own RNG: shard rank 0's values everywhere
+                with torch.no_grad():
+                    data = param.data.to(get_accelerator().current_device_name()) \
+                        if get_accelerator()._name != "cpu" else param.data
+                    dist.broadcast(data, src=0, group=self.group)
+                    param.data = data
+            partition_param(param, shard_device=device, dtype=self.dtype)
+
+    def _post_init_method(self, module):
+        self._partition_module(module)
 
 
 class GatheredParameters(contextlib.ContextDecorator):

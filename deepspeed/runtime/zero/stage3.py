@@ -294,3 +294,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         for name, buffer in self.module.named_buffers():
             state[name] = buffer.detach().cpu()
         return state
+
+
+# The class of the optimizer deepspeed.initialize returns for stage 3 (what isinstance checks see).
+from deepspeed.runtime.returned_optimizers import DeepSpeedZeroOptimizer_Stage3  # noqa: E402,F401
+from deepspeed.runtime.zero.generation import unwrap_model_for_generation  # noqa: E402,F401

@@ -236,3 +236,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
             param.copy_(value)
         if self.zenflow is not None:
             self.zenflow.masters_changed()
+
+
+# The class of the optimizer deepspeed.initialize returns for stages 1 and 2 (what isinstance checks see).
+from deepspeed.runtime.returned_optimizers import DeepSpeedZeroOptimizer  # noqa: E402,F401

@@ -46,9 +46,11 @@ def _scenario(name, engine, tmp, rank):
         return lambda: engine.load_checkpoint(""), ValueError, ["empty"]
     if name == "save_dir_none_on_one_rank":
         return lambda: engine.save_checkpoint(good if rank == 0 else None), ValueError, ["rank 1", "None"]
-    if name == "tags_differ":
-        return lambda: engine.save_checkpoint(good, tag=f"tag{rank}"), ValueError, [
-            "differs across ranks", "'tag0'", "'tag1'"
+    if name == "tags_differ":  # an error with checkpoint.tag_validation FAIL (WARN, the default, only warns)
+        strict = common.build_engine(dict(common.make_config(1, "fp32"), checkpoint={"tag_validation": "FAIL"}),
+                                     seed=0)
+        return lambda: strict.save_checkpoint(good, tag=f"tag{rank}"), ValueError, [
+            "not consistent across ranks", "'tag0'", "'tag1'"
         ]
     if name == "tag_not_a_name":
         return lambda: engine.save_checkpoint(good, tag="a/b"), ValueError, ["a/b"]

@@ -67,6 +67,11 @@ def config(stage, gather=True):
         "bf16": {
             "enabled": True
         },
+        # The buffers enter bf16 arithmetic (h * scale): cast them with the parameters (fp32 buffers stay fp32
+        # otherwise, as upstream keeps them).
+        "data_types": {
+            "buffer_dtype": "bf16"
+        },
         "zero_optimization": {
             "stage": stage,
             "stage3_param_persistence_threshold": 0,

@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The classes of the optimizer ``deepspeed.initialize`` returns, under upstream's names.
+
+Frameworks and user code recognise DeepSpeed's optimizer with ``isinstance`` against upstream's wrapper
+classes. Here one class does the work for every stage and precision (:class:`EngineOptimizer`: the boundary
+step over the stage's gradients); these subclasses only give it the name upstream would use for the same
+configuration, chosen by :func:`returned_optimizer_class`:
+
+================================================  ==========================================
+configuration                                      class (``deepspeed.runtime...``)
+================================================  ==========================================
+ZeRO stage 1 or 2                                  ``zero.stage_1_and_2.DeepSpeedZeroOptimizer``
+ZeRO stage 1, bf16 model, ``data_types.grad_accum_dtype: fp32``, no offload
+                                                   ``bf16_optimizer.BF16_Optimizer``
+ZeRO stage 3                                       ``zero.stage3.DeepSpeedZeroOptimizer_Stage3``
+stage 0, fp16 or bf16, a ``FusedAdam``             ``fp16.fused_optimizer.FP16_Optimizer``
+stage 0, fp16 or bf16, another optimizer           ``fp16.unfused_optimizer.FP16_UnfusedOptimizer``
+stage 0, fp32                                      ``EngineOptimizer`` (upstream returns the bare torch optimizer)
+================================================  ==========================================
+
+They add no behaviour and no state. Upstream constructs them itself inside ``initialize``, with internal
+arguments (the inner optimizer, timers, the loss-scaler config, ...); constructing one directly is not built
+here and raises ``NotImplementedError``: ``deepspeed.initialize`` is the way to get one.
+"""
+
+import torch
+
+from deepspeed.runtime.engine_optimizer import EngineOptimizer
+
+
+class _ReturnedOptimizer(EngineOptimizer):
+    """Base of the named facades (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} is built by deepspeed.initialize (the optimizer it returns "
+                                  f"is an instance); constructing it directly is not supported in this runtime; see "
+                                  f"docs/compatibility.md")
+
+    @classmethod
+    def for_engine(cls, *args, **kwargs):
+        """Build the engine's optimizer as this class (``EngineOptimizer``'s arguments)."""
+        optimizer = cls.__new__(cls)
+        EngineOptimizer.__init__(optimizer, *args, **kwargs)
+        return optimizer
+
+
+class DeepSpeedZeroOptimizer(_ReturnedOptimizer):
+    """The optimizer of ZeRO stages 1 and 2."""
+
+
+class DeepSpeedZeroOptimizer_Stage3(_ReturnedOptimizer):
+    """The optimizer of ZeRO stage 3."""
+
+
+class BF16_Optimizer(_ReturnedOptimizer):
+    """The optimizer of ZeRO stage 1 with a bf16 model and fp32 gradient accumulation."""
+
+
+class FP16_Optimizer(_ReturnedOptimizer):
+    """The optimizer of a 16-bit model without ZeRO, stepping a ``FusedAdam``."""
+
+
+class FP16_UnfusedOptimizer(_ReturnedOptimizer):
+    """The optimizer of a 16-bit model without ZeRO, stepping any other optimizer."""
+
+
+def returned_optimizer_class(stage, model_dtype, grad_accum_dtype, inner, offload):
+    """The class of the optimizer an engine with this configuration returns (table in the module docstring)."""
+    from deepspeed.ops.adam import FusedAdam
+    if stage == 3:
+        return DeepSpeedZeroOptimizer_Stage3
+    if stage in (1, 2):
+        if stage == 1 and model_dtype == torch.bfloat16 and grad_accum_dtype == torch.float32 and not offload:
+            return BF16_Optimizer
+        return DeepSpeedZeroOptimizer
+    if model_dtype in (torch.float16, torch.bfloat16):
+        return FP16_Optimizer if isinstance(inner, FusedAdam) else FP16_UnfusedOptimizer
+    return EngineOptimizer
+
+
+def build_returned_optimizer(cls, *args, **kwargs):
+    """An instance of ``cls`` (one of the classes above, or ``EngineOptimizer``) for the engine."""
+    if cls is EngineOptimizer:
+        return EngineOptimizer(*args, **kwargs)
+    return cls.for_engine(*args, **kwargs)

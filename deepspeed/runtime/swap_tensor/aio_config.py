@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``get_aio_config(param_dict)``: the ``aio`` section with upstream's defaults filled in (a plain dict).
+
+The values configure NVMe swapping, which is not built here; they are parsed so configs written for upstream
+load. ``use_gds`` needs a CUDA accelerator."""
+
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.swap_tensor.constants import (AIO, AIO_BLOCK_SIZE, AIO_BLOCK_SIZE_DEFAULT,
+                                                     AIO_INTRA_OP_PARALLELISM, AIO_INTRA_OP_PARALLELISM_DEFAULT,
+                                                     AIO_OVERLAP_EVENTS, AIO_OVERLAP_EVENTS_DEFAULT, AIO_QUEUE_DEPTH,
+                                                     AIO_QUEUE_DEPTH_DEFAULT, AIO_SINGLE_SUBMIT,
+                                                     AIO_SINGLE_SUBMIT_DEFAULT, AIO_USE_GDS, AIO_USE_GDS_DEFAULT)
+
+AIO_DEFAULT_DICT = {
+    AIO_BLOCK_SIZE: AIO_BLOCK_SIZE_DEFAULT,
+    AIO_QUEUE_DEPTH: AIO_QUEUE_DEPTH_DEFAULT,
+    AIO_INTRA_OP_PARALLELISM: AIO_INTRA_OP_PARALLELISM_DEFAULT,
+    AIO_SINGLE_SUBMIT: AIO_SINGLE_SUBMIT_DEFAULT,
+    AIO_OVERLAP_EVENTS: AIO_OVERLAP_EVENTS_DEFAULT,
+    AIO_USE_GDS: AIO_USE_GDS_DEFAULT,
+}
+
+
+def get_aio_config(param_dict):
+    """The ``aio`` section of ``param_dict`` over :data:`AIO_DEFAULT_DICT` (the defaults when absent)."""
+    section = param_dict.get(AIO)
+    if section is None:
+        return dict(AIO_DEFAULT_DICT)
+    config = {key: section.get(key, default) for key, default in AIO_DEFAULT_DICT.items()}
+    if config[AIO_USE_GDS] and get_accelerator().device_name().split(":")[0] != "cuda":
+        raise ValueError("aio.use_gds needs a CUDA accelerator")
+    return config

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A linear layer whose autograd function saves the weight itself, not a view of it (upstream's
+``LinearFunctionForZeroStage3`` / ``LinearModuleForZeroStage3`` / ``zero3_linear_wrap``).
+
+``y = x @ W.T + b`` with ``x`` of any rank ``>= 1``. The backward computes ``dx = dy @ W``,
+``dW = dy.T @ x`` over all leading dimensions and ``db = sum(dy)``, under the autocast state the forward
+ran with (so an outer autocast region cannot change the backward's precision). Under this runtime's ZeRO-3
+a released parameter keeps its storage object (emptied, refilled by the next gather), so torch's own
+``Linear`` is already safe there; this layer exists for code that names it.
+"""
+
+import math
+
+import torch
+from torch.nn import Module, Parameter, init
+
+from deepspeed.accelerator import get_accelerator
+
+
+def _device_type():
+    name = get_accelerator().device_name()
+    return name.split(":")[0]
+
+
+class LinearFunctionForZeroStage3(torch.autograd.Function):
+    """See the module docstring."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias=None):
+        device_type = _device_type()
+        ctx.autocast_enabled = torch.is_autocast_enabled(device_type)
+        ctx.autocast_dtype = torch.get_autocast_dtype(device_type)
+        ctx.save_for_backward(input, weight, bias)
+        if input.dim() == 2 and bias is not None:
+            return torch.addmm(bias, input, weight.t())
+        output = input.matmul(weight.t())
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, bias = ctx.saved_tensors
+        with torch.autocast(device_type=_device_type(), enabled=ctx.autocast_enabled, dtype=ctx.autocast_dtype):
+            grad_input = grad_weight = grad_bias = None
+            if ctx.needs_input_grad[0]:
+                grad_input = grad_output.matmul(weight)
+            if ctx.needs_input_grad[1]:
+                if grad_output.dim() == 1:
+                    grad_weight = grad_output.unsqueeze(-1) * input.unsqueeze(0)
+                else:
+                    grad_weight = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(
+                        input.reshape(-1, input.shape[-1]))
+            if bias is not None and ctx.needs_input_grad[2]:
+                grad_bias = grad_output if grad_output.dim() == 1 else grad_output.reshape(
+                    -1, grad_output.shape[-1]).sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+def zero3_linear_wrap(input, weight, bias=None):
+    """``x @ weight.T + bias`` through :class:`LinearFunctionForZeroStage3`."""
+    return LinearFunctionForZeroStage3.apply(input, weight, bias)
+
+
+class LinearModuleForZeroStage3(Module):
+    """``torch.nn.Linear`` (same parameters, same initialisation) whose forward is :func:`zero3_linear_wrap`."""
+
+    __constants__ = ["in_features", "out_features"]
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = Parameter(torch.empty(out_features, in_features))
+        if bias:
+            self.bias = Parameter(torch.empty(out_features))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            fan_in, _ = init._calculate_fan_in_and_fan_out(self.weight)
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+            init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return zero3_linear_wrap(input, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Names of features this runtime does not build: each imports, and using it raises NotImplementedError that names
+the feature (docs/compatibility.md lists them)."""
+
+import importlib
+
+import pytest
+import torch
+
+# (module, name, how it is used, words the message must hold)
+NOT_BUILT = [
+    ("deepspeed.runtime.progressive_layer_drop", "ProgressiveLayerDrop", lambda c: c(theta=0.5, gamma=0.001),
+     "progressive layer dropping"),
+    ("deepspeed.runtime.swap_tensor.partitioned_param_swapper", "AsyncPartitionedParameterSwapper",
+     lambda c: c({}, torch.float16), "NVMe"),
+    ("deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper", "PartitionedOptimizerSwapper",
+     lambda c: c({}, {}, None, None, None, None), "NVMe"),
+    ("deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper", "PipelinedOptimizerSwapper", lambda c: c(), "NVMe"),
+    ("deepspeed.runtime.swap_tensor.async_swapper", "AsyncTensorSwapper", lambda c: c(None, None, None), "NVMe"),
+    ("deepspeed.runtime.swap_tensor.utils", "SwapBufferPool", lambda c: c([]), "NVMe"),
+    ("deepspeed.runtime.tensor_parallel", "TpTrainingManager", lambda c: c(None, 2), "tensor parallelism"),
+    ("deepspeed.runtime.tensor_parallel.init_utils", "tp_model_init", lambda f: f(None, 2, torch.float16),
+     "tensor parallelism"),
+    ("deepspeed.runtime.tensor_parallel", "get_tensor_parallel_config",
+     lambda f: f({"tensor_parallel": {
+         "autotp_size": 2
+     }}), "tensor parallelism"),
+    ("deepspeed.runtime.activation_checkpointing.offload_activations",
+     "get_checkpoint_hidden_states_offloading_ctx_manager", lambda f: f(), "hidden states"),
+    ("deepspeed.runtime.activation_checkpointing.offload_activations", "CheckpointHiddenStatesOffload", lambda c: c(),
+     "hidden states"),
+    ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", lambda c: c(torch.nn.Linear(1, 1), None, {}),
+     "DeepSpeedZeRoOffload"),
+    ("deepspeed.runtime.zero.offload_states", "get_state_devices", lambda f: f(None, "optim_states"),
+     "offload_states"),
+    ("deepspeed.runtime.comm.coalesced_collectives", "all_to_all_quant_reduce", lambda f: f([], {}), "qgZ"),
+    ("deepspeed.runtime.checkpoint_engine", "FastCheckpointEngine", lambda c: c(None, None, False), "fast"),
+    ("deepspeed.runtime.checkpoint_engine", "DecoupledCheckpointEngine", lambda c: c(None, None, False), "decoupled"),
+    ("deepspeed.runtime.checkpoint_engine", "DataStatesCheckpointEngine", lambda c: c(), "DataStates"),
+    ("deepspeed.utils.pin_memory", "NativePinnedMemory", lambda c: c(), "native pinned memory"),
+    ("deepspeed.ops.adam", "ZenFlowSelectiveAdamW_stage3", lambda c: c([torch.nn.Parameter(torch.ones(1))]),
+     "ZeRO stage 3"),
+    ("deepspeed.ops.aio", "AsyncIOBuilder", lambda c: c().load(), "async_io"),
+    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", lambda c: c(None, None, None), "deepspeed.initialize"),
+    ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer", lambda c: c(None), "deepspeed.initialize"),
+    ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", lambda c: c(None), "deepspeed.initialize"),
+]
+
+
+@pytest.mark.parametrize("module,name,use,words", NOT_BUILT, ids=[f"{m}.{n}" for m, n, _, _ in NOT_BUILT])
+def test_not_built_raises_naming_the_feature(module, name, use, words):
+    target = getattr(importlib.import_module(module), name)
+    with pytest.raises(NotImplementedError, match=words):
+        use(target)
+
+
+def test_native_pin_memory_only_when_asked(monkeypatch):
+    from deepspeed.utils import pin_memory
+    monkeypatch.delenv("DS_PIN_MEMORY_BACKEND", raising=False)
+    assert pin_memory.get_active_native_pinned_memory() is None
+    monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "native")
+    with pytest.raises(NotImplementedError):
+        pin_memory.get_active_native_pinned_memory()
+
+
+def test_aio_config_defaults():
+    from deepspeed.runtime.swap_tensor.aio_config import AIO_DEFAULT_DICT, get_aio_config
+    assert get_aio_config({}) == AIO_DEFAULT_DICT
+    assert get_aio_config({"aio": {"block_size": 4096}})["block_size"] == 4096
+    from deepspeed.runtime.tensor_parallel import get_tensor_parallel_config
+    assert get_tensor_parallel_config({}) is None

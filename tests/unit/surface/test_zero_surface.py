@@ -1,0 +1,273 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ZeRO-side names: DeepSpeedZeroConfig(**kwargs), the ZeRO-3 linear and tiling layers, zero.utils,
+offload_states, unwrap_model_for_generation, and the optimizer classes initialize returns."""
+
+import collections
+
+import pytest
+import torch
+
+from tests.unit.common import run_distributed
+
+
+def test_zero_config_keyword_construction():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig, OffloadDeviceEnum)
+    assert DeepSpeedZeroConfig(stage3_prefetch_bucket_size=12).prefetch_bucket_size == 12
+    assert DeepSpeedZeroConfig(stage3_param_persistence_threshold=7).param_persistence_threshold == 7
+    assert DeepSpeedZeroConfig(stage3_max_live_parameters=3).max_live_parameters == 3
+    assert DeepSpeedZeroConfig(stage3_max_reuse_distance=4).max_reuse_distance == 4
+    assert DeepSpeedZeroConfig(stage3_gather_16bit_weights_on_model_save=True).gather_16bit_weights_on_model_save
+    assert DeepSpeedZeroConfig(stage3_gather_fp16_weights_on_model_save=True).gather_16bit_weights_on_model_save
+    assert DeepSpeedZeroConfig(prefetch_bucket_size=9).stage3_prefetch_bucket_size == 9
+    for stage in (0, 1, 2):
+        assert DeepSpeedZeroConfig(stage=stage).overlap_comm is False
+        assert DeepSpeedZeroConfig(stage=stage).pipeline_loading_checkpoint is False
+    assert DeepSpeedZeroConfig(stage=3).overlap_comm is True
+    plain = DeepSpeedZeroConfig()
+    assert plain.stage == 0 and plain.offload_param is None and plain.offload_optimizer is None
+    assert DeepSpeedZeroConfig(offload_param=None, offload_optimizer=None).offload_param is None
+    built = DeepSpeedZeroConfig(offload_param={}, offload_optimizer={})
+    assert isinstance(built.offload_param, DeepSpeedZeroOffloadParamConfig)
+    assert isinstance(built.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig)
+    section = DeepSpeedZeroOffloadParamConfig.from_dict({"device": "cpu"}, "offload_param")
+    assert DeepSpeedZeroConfig(stage=3, offload_param=section).offload_param is section
+    deprecated = DeepSpeedZeroConfig(cpu_offload=True, cpu_offload_use_pin_memory=True)
+    assert deprecated.offload_optimizer.device == OffloadDeviceEnum.cpu and deprecated.offload_optimizer.pin_memory
+    assert DeepSpeedZeroConfig(stage=3, cpu_offload_param=True).offload_param.device == OffloadDeviceEnum.cpu
+    with pytest.raises(AssertionError, match="cpu_offload"):
+        DeepSpeedZeroConfig(cpu_offload=True, offload_optimizer={"device": "cpu"})
+    with pytest.raises(ValueError, match="unknown config key"):
+        DeepSpeedZeroConfig(no_such_key=1)
+    # the same object as the dict form
+    assert DeepSpeedZeroConfig(stage=2, reduce_bucket_size=10) == DeepSpeedZeroConfig.from_dict(
+        {
+            "stage": 2,
+            "reduce_bucket_size": 10
+        }, "zero_optimization")
+
+
+@pytest.mark.parametrize("shape", [(5, ), (3, 5), (2, 3, 5)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_zero3_linear_matches_torch(shape, bias):
+    from deepspeed.runtime.zero.linear import LinearModuleForZeroStage3, zero3_linear_wrap
+    torch.manual_seed(0)
+    layer = LinearModuleForZeroStage3(5, 4, bias=bias)
+    reference = torch.nn.Linear(5, 4, bias=bias)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(shape, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, ref = layer(x), reference(x_ref)
+    assert torch.allclose(out, ref, atol=1e-6)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    assert torch.allclose(x.grad, x_ref.grad, atol=1e-6)
+    assert torch.allclose(layer.weight.grad, reference.weight.grad, atol=1e-5)
+    if bias:
+        assert torch.allclose(layer.bias.grad, reference.bias.grad, atol=1e-6)
+    assert torch.allclose(zero3_linear_wrap(x, layer.weight, layer.bias), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("in_f,out_f,in_splits,out_splits", [(7, 5, 3, 2), (4, 9, 1, 4), (6, 6, 6, 1), (1, 3, 1, 3)])
+def test_tiled_linear_matches_linear(in_f, out_f, in_splits, out_splits):
+    from deepspeed.runtime.zero.tiling import TiledLinear
+    torch.manual_seed(1)
+    reference = torch.nn.Linear(in_f, out_f)
+    tiled = TiledLinear(in_f, out_f, in_splits=in_splits, out_splits=out_splits, init_linear=reference)
+    assert len(tiled.linears) == out_splits and all(len(row) == in_splits for row in tiled.linears)
+    x = torch.randn(2, 3, in_f, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, ref = tiled(x), reference(x_ref)
+    assert torch.allclose(out, ref, atol=1e-6)
+    out.sum().backward()
+    ref.sum().backward()
+    assert torch.allclose(x.grad, x_ref.grad, atol=1e-6)
+    weight_grad = torch.cat([torch.cat([t.weight.grad for t in row], dim=1) for row in tiled.linears], dim=0)
+    assert torch.allclose(weight_grad, reference.weight.grad, atol=1e-5)
+    split = TiledLinear(in_f,
+                        out_f,
+                        in_splits=in_splits,
+                        out_splits=out_splits,
+                        combine_out_splits=False,
+                        init_linear=reference)
+    assert torch.allclose(torch.cat(split(x.detach()), dim=-1), ref.detach(), atol=1e-6)
+    with pytest.raises(RuntimeError):
+        TiledLinear(in_f, out_f, in_splits=in_f + 1)
+
+
+def test_tiled_linear_return_bias():
+    from deepspeed.runtime.zero.tiling import TiledLinearReturnBias
+
+    class BiasReturning(torch.nn.Linear):
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight), self.bias
+
+    torch.manual_seed(2)
+    reference = torch.nn.Linear(6, 4)
+    tiled = TiledLinearReturnBias(6, 4, in_splits=2, out_splits=2, linear_cls=BiasReturning, init_linear=reference)
+    x = torch.randn(3, 6)
+    out, bias = tiled(x)
+    assert torch.allclose(out, torch.nn.functional.linear(x, reference.weight), atol=1e-6)
+    assert torch.allclose(bias, reference.bias)
+
+
+def test_zero_utils():
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.runtime.zero import utils as zu
+    params = [torch.nn.Parameter(torch.ones(2))]
+    assert zu.is_zero_supported_optimizer(torch.optim.AdamW(params))
+    assert zu.is_zero_supported_optimizer(FusedAdam(params))
+    assert not zu.is_zero_supported_optimizer(torch.optim.SGD(params, lr=0.1))
+    Point = collections.namedtuple("Point", "x y")
+    value = {"a": [torch.ones(1), (2, torch.ones(2))], "p": Point(torch.ones(3), "s")}
+    doubled = zu.apply_to_tensors_only(lambda t: t * 2, value)
+    assert torch.equal(doubled["a"][0], torch.full((1, ), 2.0)) and doubled["a"][1][0] == 2
+    assert isinstance(doubled["p"], Point) and torch.equal(doubled["p"].x, torch.full((3, ), 2.0))
+    assert zu.isinstance_namedtuple(Point(1, 2)) and not zu.isinstance_namedtuple((1, 2))
+    assert zu.is_builtin_type(3) and not zu.is_builtin_type(torch.ones(1))
+    tensors = [torch.arange(3.0), torch.arange(4.0).view(2, 2)]
+    assert [(o, n) for _, o, n in zu.get_mapping_to_flat_buffer(tensors)] == [(0, 3), (3, 4)]
+    flat = zu.defragment(tensors)
+    assert torch.equal(flat, torch.tensor([0.0, 1, 2, 0, 1, 2, 3]))
+    assert tensors[1].data_ptr() == flat.data_ptr() + 3 * flat.element_size()
+
+
+def test_offload_and_reload_optimizer_states():
+    from deepspeed.runtime.zero import offload_states as os_
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.randn(4)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    exp_avg = opt.state[p]["exp_avg"]
+    os_.offload_adam_states(opt, "cpu")
+    assert opt.state[p]["exp_avg"] is exp_avg and "exp_avg_offload_buffer" in opt.state[p]
+    os_.reload_adam_states(opt, "cpu")
+    assert torch.equal(opt.state[p]["exp_avg"], before["exp_avg"])
+    os_.offload_optimizer_states(opt, "cpu")
+    replaced = os_.reload_optimizer_states(opt, "cpu")
+    assert len(replaced) >= 3 and torch.equal(opt.state[p]["exp_avg_sq"], before["exp_avg_sq"])
+    with pytest.raises(NotImplementedError, match="offload_states"):
+        os_.get_state_devices(None, os_.OffloadStateTypeEnum.optim_states)
+
+
+def _net():
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+
+def generation_worker():
+    import copy
+
+    import deepspeed
+    from deepspeed.runtime.zero import ZeroParamStatus, unwrap_model_for_generation
+    torch.manual_seed(0)
+    model = _net()
+    plain = copy.deepcopy(model)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1}
+    }  # yapf: disable
+    engine = deepspeed.initialize(model=model, config=cfg)[0]
+    x = torch.randn(2, 4)
+    with torch.no_grad(), unwrap_model_for_generation(engine) as unwrapped:
+        assert unwrapped is engine
+        outputs = [unwrapped.module(x) for _ in range(3)]
+        held = all(p.ds_status == ZeroParamStatus.AVAILABLE for p in engine.module.parameters())
+    released = all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+    expected = plain(x)
+    same = all(torch.allclose(o, expected, atol=1e-6) for o in outputs)
+    # training afterwards still matches plain SGD
+    loss = engine(x).pow(2).sum()
+    engine.backward(loss)
+    engine.step()
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    ref_loss = plain(x).pow(2).sum()
+    torch.autograd.backward(ref_loss)  # one rank's loss; the engine averages equal losses over ranks
+    ref_opt.step()
+    from deepspeed.utils import safe_get_full_fp32_param
+    trained = all(
+        torch.allclose(safe_get_full_fp32_param(p), q, atol=1e-5)
+        for p, q in zip(engine.module.parameters(), plain.parameters()))
+    engine.destroy()
+    return held, released, same, trained
+
+
+def test_unwrap_model_for_generation_zero3():
+    assert run_distributed(generation_worker, 2, timeout=90) == [(True, True, True, True)] * 2
+
+
+def returned_class_worker(stage, dtype, optimizer_type, accum):
+    import deepspeed
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": optimizer_type, "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": stage}}  # yapf: disable
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True}
+    if accum:
+        cfg["data_types"] = {"grad_accum_dtype": accum}
+    engine, optimizer, _, _ = deepspeed.initialize(model=_net(), config=cfg)
+    name = type(optimizer).__name__
+    x = torch.randn(1, 4)
+    engine.backward(engine(x.to(engine.module[0].weight.dtype)).float().sum())
+    engine.step()
+    engine.destroy()
+    return name
+
+
+@pytest.mark.parametrize("stage,dtype,optimizer_type,accum,expected", [
+    (1, "fp32", "Adam", None, "DeepSpeedZeroOptimizer"),
+    (2, "bf16", "Adam", None, "DeepSpeedZeroOptimizer"),
+    (1, "bf16", "Adam", "fp32", "BF16_Optimizer"),
+    (3, "fp32", "Adam", None, "DeepSpeedZeroOptimizer_Stage3"),
+    (0, "fp16", "Adam", None, "FP16_Optimizer"),
+    (0, "bf16", "SGD", None, "FP16_UnfusedOptimizer"),
+    (0, "fp32", "Adam", None, "EngineOptimizer"),
+])
+def test_returned_optimizer_class(stage, dtype, optimizer_type, accum, expected):
+    assert run_distributed(returned_class_worker, 1, args=(stage, dtype, optimizer_type, accum),
+                           timeout=60) == [expected]
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+    from deepspeed.runtime.returned_optimizers import returned_optimizer_class
+    from deepspeed.ops.adam import FusedAdam
+    inner = FusedAdam([torch.nn.Parameter(torch.ones(1))]) if optimizer_type == "Adam" else torch.optim.SGD(
+        [torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    cls = returned_optimizer_class(stage, dtypes[dtype], dtypes.get(accum), inner, False)
+    assert cls.__name__ == expected and issubclass(cls, DeepSpeedOptimizer)
+
+
+def test_partition_parameters_names():
+    from deepspeed.runtime.zero.partition_parameters import (Init, InsertPostInitMethodToModuleSubClasses,
+                                                             MultipleAllGatherHandles, partitioned_param_data_shape)
+    assert issubclass(Init, InsertPostInitMethodToModuleSubClasses) and partitioned_param_data_shape == [0]
+    waited = []
+
+    class Handle:
+
+        def __init__(self, i):
+            self.i = i
+
+        def wait(self):
+            waited.append(self.i)
+
+    MultipleAllGatherHandles([Handle(1), Handle(2)]).wait()
+    assert waited == [1, 2]
+    built = []
+
+    class Recorder(InsertPostInitMethodToModuleSubClasses):
+
+        def _post_init_method(self, module):
+            built.append(type(module).__name__)
+
+    with Recorder():
+        _net()
+    assert built == ["Linear", "Linear", "Sequential"]  # Tanh runs torch.nn.Module's own __init__ only
+    built.clear()
+    torch.nn.Linear(1, 1)
+    assert built == []
