@@ -7,6 +7,8 @@ engine owns, the gradient is ``param.grad`` and the fp32 value is the parameter.
 ``step()``: it returns the reduced, unscaled gradient (fp32 by default).
 """
 
+import dataclasses
+
 import torch
 
 from deepspeed.runtime.backward.ownership import owner_of
@@ -87,3 +89,10 @@ safe_set_local_grad = safe_set_full_grad
 safe_set_local_fp32_param = safe_set_full_fp32_param
 safe_get_local_optimizer_state = safe_get_full_optimizer_state
 safe_set_local_optimizer_state = safe_set_full_optimizer_state
+
+
+@dataclasses.dataclass
+class fragment_address:  # noqa: N801 (upstream's name: its ZeRO 1/2 optimizer files pickle it)
+    """Where a parameter's piece lies in a rank's flat partition: ``numel`` elements from ``start``."""
+    numel: int
+    start: int

@@ -119,6 +119,8 @@ class _Load:
         """Load this rank's own optimizer file as it is when the stage says it was saved in its layout."""
         saved = self.saved
         files = saved.optim_files()  # a wrong listing is an error of this phase
+        if saved.upstream is not None:
+            return  # upstream's partitions never fit this runtime's layout: phase 2 rebuilds the state by name
         if not self.stage.reads_own_file(saved.saved_stage) or len(files) != self.engine.dp_world_size:
             return
         own = saved.own_partition(self.dp_rank)
