@@ -31,8 +31,8 @@ SAVE_AFTER = 3
 # Largest |ours - expected| of a master or moment after the 2 continued steps: against plain torch (the same
 # maths: 16-bit forward, fp32 gradients), and against upstream's recorded run (which accumulates bf16
 # gradients in bf16); and of the losses against upstream's.
-REFERENCE_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-5, "fp16": 1e-5}
-TOLERANCE = {"fp32": 1e-6, "bf16": 2e-3}
+REFERENCE_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-6, "fp16": 1e-6}  # measured: at most 3e-8
+TOLERANCE = {"fp32": 1e-6, "bf16": 1e-3}  # measured: fp32 at most 1.5e-8, bf16 1.4e-4
 LOSS_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-2}
 
 

@@ -49,3 +49,24 @@ def test_zero_to_fp32_command_line_on_upstream_checkpoint(tmp_path):
     state = torch.load(out, weights_only=True)
     for name, entry in fixtures.trajectory(cell)["at_save"].items():
         assert torch.equal(state[name], entry["fp32"]), name
+
+
+def test_copied_script_on_upstream_checkpoint(tmp_path):
+    """The ``zero_to_fp32.py`` that ``save_checkpoint`` copies into a checkpoint folder, run as a script."""
+    import shutil
+    from deepspeed.utils import zero_to_fp32
+    script = str(tmp_path / "zero_to_fp32.py")
+    shutil.copy(zero_to_fp32.__file__, script)  # what saving._copy_recovery_script puts there
+    cell = "z2-fp16-offload"
+    out = str(tmp_path / "model.pt")
+    done = subprocess.run([sys.executable, script,
+                           os.path.join(fixtures.FIXTURES, cell), out, "-t", fixtures.TAG],
+                          env=dict(os.environ, PYTHONPATH=REPO),
+                          cwd=str(tmp_path),
+                          capture_output=True,
+                          text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    state = torch.load(out, weights_only=True)
+    for name, entry in fixtures.trajectory(cell)["at_save"].items():
+        assert torch.equal(state[name], entry["fp32"]), name
