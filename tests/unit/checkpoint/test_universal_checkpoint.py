@@ -144,3 +144,40 @@ def missing_worker(root):
         engine.load_checkpoint(root)
     engine.destroy()
     return True
+
+
+UPSTREAM_PYTHON = os.environ.get("DS_UPSTREAM_PYTHON")
+UPSTREAM_CONVERTED = [("z2-fp32", 3, 1), ("z3-bf16", 1, 3)]
+
+
+@pytest.mark.skipif(not UPSTREAM_PYTHON,
+                    reason="set DS_UPSTREAM_PYTHON to an interpreter with upstream DeepSpeed "
+                    "(e.g. /work/upstream-venv/bin/python) to load folders written by upstream's own converter")
+@pytest.mark.parametrize("cell,stage,world",
+                         UPSTREAM_CONVERTED,
+                         ids=[f"upstream-converter-{c}-to-z{s}w{w}" for c, s, w in UPSTREAM_CONVERTED])
+def test_folder_of_upstream_converter_loads(tmp_path, cell, stage, world):
+    """A universal folder written by upstream's ``ds_to_universal`` (stage-3 files are bare tensors there)."""
+    output = str(tmp_path / "t3_universal")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(DS_ACCELERATOR="cpu",
+               PYTHONWARNINGS="ignore",
+               TORCH_EXTENSIONS_DIR=os.environ.get("DS_UPSTREAM_EXTENSIONS_DIR", "/tmp/ext-upstream-tests"))
+    done = subprocess.run([
+        UPSTREAM_PYTHON, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+        os.path.join(fixtures.FIXTURES, cell, fixtures.TAG), "--output_folder", output, "--inject_missing_state",
+        "--num_extract_workers", "1", "--num_merge_workers", "1"
+    ],
+                          cwd=str(tmp_path),
+                          env=env,
+                          capture_output=True,
+                          text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    trajectory = fixtures.trajectory(cell)
+    record = {"at_save": trajectory["at_save"], "global_steps": trajectory["counters"]["global_steps"]}
+    client = {"epoch": 7, "note": "upstream fixture"}
+    assert run_distributed(load_worker,
+                           world,
+                           args=(str(tmp_path), "t3_universal", cell, stage, world, record, client),
+                           timeout=120) == [True] * world
