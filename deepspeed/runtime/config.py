@@ -175,6 +175,8 @@ class _CheckpointSection(ConfigSection):
     tag_validation: str = config_field(ValidationMode.WARN,
                                        parse=one_of(CHECKPOINT_TAG_VALIDATION_MODES, convert=str.upper))
     load_universal: bool = config_field(False, parse=boolean())
+    # this package's key: "upstream" writes upstream DeepSpeed's layout (docs/checkpoints.md)
+    save_format: str = config_field("native", parse=one_of(("native", "upstream")))
     use_node_local_storage: bool = config_field(False, parse=boolean())
     parallel_write: _ParallelWriteSection = config_field(default_factory=_ParallelWriteSection,
                                                          parse=section(_ParallelWriteSection))
@@ -383,6 +385,7 @@ class DeepSpeedConfig:
         self.checkpoint_tag_validation_enabled = checkpoint.tag_validation != ValidationMode.IGNORE
         self.checkpoint_tag_validation_fail = checkpoint.tag_validation == ValidationMode.FAIL
         self.load_universal_checkpoint = checkpoint.load_universal
+        self.checkpoint_save_format = checkpoint.save_format
         self.use_node_local_storage = checkpoint.use_node_local_storage
         self.checkpoint_parallel_write_pipeline = checkpoint.parallel_write.pipeline_stage
         self.aio_config = ConfigDict(_AioSection.from_dict(param_dict.get(AIO), AIO).to_dict())

@@ -7,6 +7,8 @@ engine owns, the gradient is ``param.grad`` and the fp32 value is the parameter.
 ``step()``: it returns the reduced, unscaled gradient (fp32 by default).
 """
 
+import dataclasses
+
 import torch
 
 from deepspeed.runtime.backward.ownership import owner_of
@@ -102,3 +104,10 @@ def safe_update_full_grad_vectorized(param_list, update_func):
         if grad is None:
             continue
         safe_set_full_grad(param, update_func(grad, param))
+
+
+@dataclasses.dataclass
+class fragment_address:  # noqa: N801 (upstream's name: its ZeRO 1/2 optimizer files pickle it)
+    """Where a parameter's piece lies in a rank's flat partition: ``numel`` elements from ``start``."""
+    numel: int
+    start: int

@@ -13,7 +13,8 @@ files); frozen parameters and buffers are taken from the saved module, in their
 saved dtype. A stage-3 checkpoint keeps only buffers in its (per-rank) model-states
 files: every parameter is rebuilt from every rank's shards (trainable: the fp32
 masters; frozen: the saved 16-bit shards). The result has the keys and order of the model's ``state_dict()``,
-tied parameters included (sharing one tensor).
+tied parameters included (sharing one tensor). A checkpoint written by upstream DeepSpeed
+(stages 0-3) is read with its own layout (``deepspeed.checkpoint.upstream_format``).
 
 The output is a file (a path with a ``.bin/.pt/.pth/.ckpt/.safetensors`` suffix, or an
 existing file) or a directory, where ``pytorch_model.bin`` (``model.safetensors``) is
@@ -157,12 +158,42 @@ def _zero3_state_dict(ds_dir, model_path, exclude_frozen_parameters):
     return result
 
 
+def _upstream_state_dict(ds_dir, checkpoint, model_path, exclude_frozen_parameters):
+    """The state dict of a checkpoint written by upstream DeepSpeed (any stage), in its module's key order."""
+    from deepspeed.checkpoint.upstream_format import UpstreamCheckpoint
+    reader = UpstreamCheckpoint(ds_dir, checkpoint, model_path)
+    full, frozen, _ = reader.full_state(with_state=False)
+    buffers = set(checkpoint.get("buffer_names") or [])
+    shared = checkpoint.get("shared_params") or {}
+    module = checkpoint["module"]
+    result = OrderedDict()
+    for name, tensor in module.items():
+        target = shared.get(name, name)
+        if target in full.fp32:
+            result[name] = full.fp32[target]
+        elif name in buffers:
+            result[name] = tensor
+        elif not exclude_frozen_parameters:
+            value = frozen.get(target, tensor)
+            if value.numel() or not reader.per_rank:
+                result[name] = value
+    for name, value in full.fp32.items():
+        result.setdefault(name, value)
+    return result
+
+
 def _fp32_state_dict(ds_dir, exclude_frozen_parameters):
+    from deepspeed.checkpoint.upstream_format import is_upstream_model_states
     model_path = os.path.join(ds_dir, paths.MODEL_STATES_FILE)
     zero3_path = os.path.join(ds_dir, paths.ZERO3_MODEL_STATES_FILE.format(rank=0))
     if not os.path.exists(model_path) and os.path.exists(zero3_path):
+        checkpoint = load_file(zero3_path, "the model states")
+        if is_upstream_model_states(checkpoint):
+            return _upstream_state_dict(ds_dir, checkpoint, zero3_path, exclude_frozen_parameters)
         return _zero3_state_dict(ds_dir, zero3_path, exclude_frozen_parameters)
     checkpoint = load_file(model_path, "the model states")
+    if is_upstream_model_states(checkpoint):
+        return _upstream_state_dict(ds_dir, checkpoint, model_path, exclude_frozen_parameters)
     fp32 = _trainable_fp32(ds_dir, checkpoint, model_path)
     frozen = set(checkpoint.get("frozen_param_shapes") or {})
     shared = checkpoint.get("shared_params") or {}

@@ -32,6 +32,7 @@ with ``load_lr_scheduler_states``; counters (``global_steps``, ``global_samples`
 (``model_state.client_state_of``).
 """
 
+from deepspeed.checkpoint.constants import LATEST_UNIVERSAL_FILE
 from deepspeed.runtime.checkpoint.model_state import check_module, client_state_of, param_names
 from deepspeed.runtime.checkpoint.optimizer_state import import_scaler
 from deepspeed.runtime.checkpoint.reader import resolve_tag
@@ -72,10 +73,11 @@ class _Load:
     # ----------------------------------------------------------- phase 1
     def read(self, load_dir, tag):
         load_dir = check_dir(load_dir, "load_checkpoint")
-        self.tag, self.reason = resolve_tag(load_dir, tag)
+        universal = bool(getattr(self.engine._config, "load_universal_checkpoint", False))
+        self.tag, self.reason = resolve_tag(load_dir, tag, latest=LATEST_UNIVERSAL_FILE if universal else None)
         if self.tag is None:
             return
-        self.saved = saved = SavedCheckpoint(load_dir, self.tag, self.dp_rank)
+        self.saved = saved = SavedCheckpoint(load_dir, self.tag, self.dp_rank, universal=universal)
         check_module(saved.saved_shapes(), self.engine.module, self.strict, saved.model_path)
         self.module_values = saved.module_values()
         if saved.per_rank:
@@ -118,6 +120,8 @@ class _Load:
     def _try_own_partition(self):
         """Load this rank's own optimizer file as it is when the stage says it was saved in its layout."""
         saved = self.saved
+        if saved.reader is not None:
+            return  # another format (upstream's, universal) never fits this runtime's layout: phase 2 reads it by name
         files = saved.optim_files()  # a wrong listing is an error of this phase
         if not self.stage.reads_own_file(saved.saved_stage) or len(files) != self.engine.dp_world_size:
             return

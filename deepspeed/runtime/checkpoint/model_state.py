@@ -7,8 +7,8 @@ ZeRO: None), ``param_shapes`` (per param group: name -> full shape of the traina
 parameters), ``frozen_param_shapes`` (name -> full shape of the frozen ones),
 ``shared_params`` (alias name -> name of the parameter it is tied to), ``lr_scheduler``,
 ``global_steps``, ``global_samples``, ``skipped_steps``, ``dp_world_size``,
-``mp_world_size``, ``ds_config``, ``ds_version``; plus ``ds_checkpoint_meta`` (how this
-runtime wrote the checkpoint) and the client state.
+``mp_world_size``, ``ds_config``, ``ds_version``, ``universal_checkpoint_info``; plus
+``ds_checkpoint_meta`` (how this runtime wrote the checkpoint) and the client state.
 
 The client state ``load_checkpoint`` returns is upstream's: every entry of the
 model-states file it read except those the load consumed (:func:`client_state_of`).
@@ -18,6 +18,8 @@ from collections import OrderedDict
 
 import torch
 
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.checkpoint.universal_checkpoint import universal_info
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.checkpoint.reader import META_KEY
 from deepspeed.runtime.checkpoint.validate import CheckpointError
@@ -27,7 +29,7 @@ RESERVED_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params", "lr_scheduler",
     "global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "frozen_param_fragments", "sparse_tensor_module_names", "csr_tensor_module_names", "data_sampler", "random_ltd",
-    META_KEY
+    "checkpoint_parallel_dimensions", UNIVERSAL_CHECKPOINT_INFO, META_KEY
 })
 # What upstream's load removes from the returned dict: always the module; unless only the module is loaded, the
 # counters and the world sizes it restored; the scheduler and the optimizer when it loaded them.
@@ -107,6 +109,8 @@ def build_model_states(engine, groups, exclude_frozen_parameters, meta, client_s
         ds_config=engine.config,
         ds_version=deepspeed.__version__,
     )
+    # what ds_to_universal requires of a model-states file (upstream writes it only when the client adds it)
+    states[UNIVERSAL_CHECKPOINT_INFO] = universal_info()
     states[META_KEY] = meta
     states.update(client_state)
     return states

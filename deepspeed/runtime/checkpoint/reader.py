@@ -31,15 +31,27 @@ def load_file(path, what, mmap=False):
                               f"{type(exc).__name__}: {exc})") from exc
 
 
-def resolve_tag(root, tag):
+def resolve_tag(root, tag, latest=None):
     """The tag to load and its directory, or ``(None, reason)`` when there is nothing to load.
 
     ``tag=None`` reads ``<root>/latest``: a missing ``latest`` means nothing to load; a
     ``latest`` naming a tag whose directory is missing is an error. An explicit tag
-    whose directory does not exist means nothing to load.
+    whose directory does not exist means nothing to load. ``latest`` names another file
+    than ``latest`` to read (``latest_universal`` for universal checkpoints): then its
+    absence is an error, as upstream's.
     """
     if not os.path.isdir(root):
         return None, f"the checkpoint directory {root} does not exist"
+    if tag is None and latest is not None:
+        path = os.path.join(root, latest)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing; with checkpoint.load_universal it names the universal folder "
+                                  f"to load (or pass the tag)")
+        with open(path) as handle:
+            tag = handle.read().strip()
+        if not os.path.isdir(paths.tag_dir(root, tag)):
+            raise CheckpointError(f"{path} names '{tag}', but {paths.tag_dir(root, tag)} does not exist")
+        return check_tag(tag, latest), None
     if tag is None:
         latest = paths.read_latest(root)
         if latest is None:

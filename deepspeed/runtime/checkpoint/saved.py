@@ -9,6 +9,12 @@ This runtime writes two layouts (docs/checkpoints.md):
 * *per-rank* (stage 3): each rank's ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` holds
   only the buffers; every parameter, trainable or frozen, lives in the optimizer files.
 
+A checkpoint written by upstream DeepSpeed has the same file names; its model-states file
+lacks this package's ``ds_checkpoint_meta``, and its state is read by
+:class:`~deepspeed.checkpoint.upstream_format.UpstreamCheckpoint` (always as a ``FullState``); a
+universal folder (``checkpoint.load_universal``) by
+:class:`~deepspeed.checkpoint.universal_checkpoint.UniversalCheckpoint`.
+
 :class:`SavedCheckpoint` reads the model-states file this rank needs and offers what a
 load of any stage asks for: the saved shapes of the module's entries (to check the
 model), this rank's own optimizer state (:meth:`own_partition`), the
@@ -21,6 +27,8 @@ import os
 
 import torch
 
+from deepspeed.checkpoint.universal_checkpoint import UniversalCheckpoint
+from deepspeed.checkpoint.upstream_format import UpstreamCheckpoint, is_upstream_model_states
 from deepspeed.runtime.checkpoint import paths
 from deepspeed.runtime.checkpoint.reader import META_KEY, check_save_id, load_file
 from deepspeed.runtime.checkpoint.reshard import FullState, full_state_from_partitions
@@ -32,7 +40,7 @@ from deepspeed.runtime.checkpoint.validate import CheckpointError
 class SavedCheckpoint:
     """The checkpoint under ``<load_dir>/<tag>`` as data-parallel rank ``dp_rank`` reads it."""
 
-    def __init__(self, load_dir, tag, dp_rank):
+    def __init__(self, load_dir, tag, dp_rank, universal=False):
         self.directory = paths.tag_dir(load_dir, tag)
         replicated = paths.model_states_path(load_dir, tag)
         rank0 = paths.zero3_model_states_path(load_dir, tag, 0)
@@ -48,7 +56,18 @@ class SavedCheckpoint:
             raise CheckpointError(f"{self.model_path}: not a model-states file (no 'module' entry)")
         self.checkpoint = ckpt
         self.meta = meta = ckpt.get(META_KEY) or {}
-        if self.per_rank:
+        # a checkpoint in another format (a universal folder, or upstream DeepSpeed's): read by its format's reader
+        if universal:
+            self.reader = UniversalCheckpoint(self.directory, ckpt, self.model_path)
+        elif is_upstream_model_states(ckpt):
+            self.reader = UpstreamCheckpoint(self.directory, ckpt, self.model_path)
+        else:
+            self.reader = None
+        if self.reader is not None:
+            if self.per_rank and self.model_path == own and dp_rank >= self.reader.world_size:
+                raise CheckpointError(f"{own}: left over from another save (the checkpoint has "
+                                      f"{self.reader.world_size} ranks)")
+        elif self.per_rank:
             if meta.get("zero_stage") != 3:
                 raise CheckpointError(f"{self.model_path}: not a ZeRO stage 3 model-states file of this runtime")
             saved_ranks = len(meta.get("model_files") or [])
@@ -59,12 +78,16 @@ class SavedCheckpoint:
     @property
     def saved_stage(self):
         """The ZeRO stage that wrote the checkpoint (None when the file does not say)."""
+        if self.reader is not None:
+            return self.reader.stage
         if self.per_rank:
             return 3
         return self.meta.get("zero_stage", 0 if self.checkpoint.get("optimizer") is not None else None)
 
     @property
     def has_optimizer(self):
+        if self.reader is not None:
+            return self.reader.has_optimizer
         return self.per_rank or bool(self.meta.get("has_optimizer", self.checkpoint.get("optimizer") is not None))
 
     @property
@@ -73,6 +96,8 @@ class SavedCheckpoint:
 
     def optim_files(self):
         """The paths of every saved rank's optimizer file (index = rank)."""
+        if self.reader is not None:
+            return self.reader.optim_files()
         names = self.meta.get("optim_files") or []
         if len(names) != self.world_size:
             raise CheckpointError(f"{self.model_path}: lists {len(names)} optimizer files for a data-parallel world "
@@ -111,6 +136,9 @@ class SavedCheckpoint:
 
     def stage0_full_state(self, trainable_names):
         """A FullState from a stage-0 ``optimizer`` entry (and the saved module, for fp32 models)."""
+        if self.reader is not None:
+            full, _, scaler = self.reader.full_state(True, trainable_names)
+            return full, scaler
         saved = self.checkpoint.get("optimizer")
         if not isinstance(saved, dict) or "param_names" not in saved or "optimizer" not in saved:
             raise CheckpointError(f"{self.model_path}: the 'optimizer' entry was not written by this runtime's ZeRO "
@@ -139,6 +167,8 @@ class SavedCheckpoint:
         ``frozen``: name -> full 16-bit value of each frozen parameter a stage-3 checkpoint
         holds (empty otherwise); ``scaler``: the payload the loss-scaler entries are read from.
         """
+        if self.reader is not None:
+            return self.reader.full_state(with_state)
         files = self.optim_files()
         payloads = [self._read_optimizer_file(path, rank, mmap=True) for rank, path in enumerate(files)]
         if self.per_rank:
@@ -154,7 +184,7 @@ class SavedCheckpoint:
         (and ``frozen``) from :meth:`full_state` every parameter (trainable ones as their
         fp32 value) under each of its tied names.
         """
-        values = dict(self.checkpoint["module"])
+        values = dict(self.checkpoint["module"]) if self.reader is None else self.reader.module_values()
         if not self.per_rank or full is None:
             return values
         values.update(frozen or {})

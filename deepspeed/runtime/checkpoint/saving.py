@@ -13,6 +13,11 @@
 4. Rank 0 writes ``latest`` (when ``save_latest``), then a last agreement: when
    ``save_checkpoint`` returns on any rank, the whole checkpoint and ``latest`` are on disk.
 
+With ``"checkpoint": {"save_format": "upstream"}`` step 2 writes into a hidden folder
+``<save_dir>/.<tag>.native-<id>``; after the agreement rank 0 writes upstream DeepSpeed's files of
+the tag from them (``deepspeed.checkpoint.upstream_writer``; it reads every rank's files, so the
+save directory must be shared) and removes the folder; the ranks agree once more.
+
 A crash before step 4 leaves ``latest`` naming the previous checkpoint, whose files were
 not touched (unless the save reused its tag: then the loader reports the mix of files of
 two saves, thanks to the save id).
@@ -65,12 +70,23 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True, exclud
     save_id = agreed[0][1]
 
     writer = SaveWriter()
+    upstream = getattr(engine._config, "checkpoint_save_format", "native") == "upstream"
+    # upstream's layout: this package's files go to a hidden folder first, from which rank 0 writes upstream's
+    native_root = os.path.join(save_dir, f".{tag}.native-{save_id[:12]}") if upstream else save_dir
     error = None
     try:
-        _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_parameters, save_id, rank)
+        _write_files(engine, writer, native_root, tag, client_state, exclude_frozen_parameters, save_id, rank)
     except Exception as exc:
         error = exc
     agree(error, None, group)
+    if upstream:
+        error = None
+        if rank == 0:
+            try:
+                _write_upstream(native_root, save_dir, tag)
+            except Exception as exc:
+                error = exc
+        agree(error, None, group)
 
     error = None
     if rank == 0:
@@ -111,6 +127,14 @@ def _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_par
     os.makedirs(directory, exist_ok=True)
     for name, payload in stage.checkpoint_files(save):
         writer.save(payload, os.path.join(directory, name))
+
+
+def _write_upstream(native_root, save_dir, tag):
+    """Rank 0: upstream's files of the tag from this package's, then the hidden folder is removed."""
+    import shutil
+    from deepspeed.checkpoint.upstream_writer import convert_to_upstream
+    convert_to_upstream(paths.tag_dir(native_root, tag), paths.tag_dir(save_dir, tag))
+    shutil.rmtree(native_root, ignore_errors=True)
 
 
 def _copy_recovery_script(save_dir):

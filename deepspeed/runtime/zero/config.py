@@ -17,6 +17,7 @@ Rules resolved here, so consumers see final values:
 """
 
 import dataclasses
+import enum
 import sys
 from typing import Optional, Tuple
 
@@ -27,8 +28,8 @@ from .offload_config import (DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroO
 from ..zenflow.config import ZenFlowConfig
 
 
-class ZeroStageEnum:
-    """ZeRO stages by name. Stages are stored as plain ints."""
+class ZeroStageEnum(int, enum.Enum):
+    """ZeRO stages by name; members are ints (upstream pickles them in its ZeRO optimizer files)."""
     disabled = 0
     optimizer_states = 1
     gradients = 2
