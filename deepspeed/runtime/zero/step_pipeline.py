@@ -39,12 +39,13 @@ import torch
 from deepspeed.ops.adam import host_adam
 from deepspeed.runtime.zero.host_worker import HostWorker
 from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.transfers import DONE
+from deepspeed.runtime.zero.transfers import DONE, synchronous_copies
 
 
 def overlap_enabled():
-    """Whether offloaded steps are pipelined (``DS_OFFLOAD_OVERLAP`` is not ``0``)."""
-    return os.environ.get("DS_OFFLOAD_OVERLAP", "1") != "0"
+    """Whether offloaded steps are pipelined (``DS_OFFLOAD_OVERLAP`` is not ``0``, and ``DS_OFFLOAD_SYNC=1``, every
+    copy a blocking one, is not set)."""
+    return os.environ.get("DS_OFFLOAD_OVERLAP", "1") != "0" and not synchronous_copies()
 
 
 class StepPiece:
