@@ -89,9 +89,10 @@ class HostTransfers:
         if self.stream is None or (dst.device.type != "cuda" and src.device.type != "cuda"):
             dst.copy_(src)
             return DONE
+        producer = torch.cuda.current_stream(self.device)  # read before the context makes the side stream current
         with torch.cuda.stream(self.stream):
             if wait_producer:
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                self.stream.wait_stream(producer)
             dst.copy_(src, non_blocking=True)
             for tensor in (src, dst):
                 if tensor.device.type == "cuda":
