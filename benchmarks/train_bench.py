@@ -198,7 +198,7 @@ def bench_system(name, args, cfg, data, device):
         torch.cuda.reset_peak_memory_stats(device)
     idle = None
     try:
-        step_times, losses = [], []
+        step_times, losses, grad_norms = [], [], []
         for micro_batches in data:
             _sync(device)
             start = time.perf_counter()
@@ -206,12 +206,18 @@ def bench_system(name, args, cfg, data, device):
             _sync(device)
             step_times.append(time.perf_counter() - start)
             losses.append(float(loss))
+            grad_norms.append(system.grad_norm() if hasattr(system, "grad_norm") else None)
         peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
         if args.idle_steps > 0:
             idle = measure_idle(name, system, data[-args.idle_steps:], device, args.profile_dir)
     finally:
         system.close()
-    return dict(step_times=step_times, losses=losses, peak_mem_gib=peak, setup_peak_mem_gib=setup_peak, idle=idle)
+    return dict(step_times=step_times,
+                losses=losses,
+                grad_norms=grad_norms,
+                peak_mem_gib=peak,
+                setup_peak_mem_gib=setup_peak,
+                idle=idle)
 
 
 def measure_idle(name, system, data, device, profile_dir):
@@ -318,6 +324,7 @@ def run_one(name, args, cfg, data, device, world):
                tokens_per_s=tokens_per_s,
                setup_peak_mem_gib=max((g[0]["setup_peak_mem_gib"] or 0.0) for g in gathered) or None,
                losses=losses,
+               grad_norms=gathered[0][0].get("grad_norms"),  # the global norm of each step (rank 0's, same on all)
                first_loss=losses[0],
                final_loss=losses[-1])
     if device.type == "cuda":
