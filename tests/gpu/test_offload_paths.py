@@ -234,6 +234,23 @@ def check_overlap(name):
     return f"{len(tested)} steps identical (parameters, masters, moments)"
 
 
+def check_transfer_ordering(_):
+    """A device-to-host copy issued while the compute stream is still writing its source reads the written values
+    (the copy's stream waits for the compute stream: what a gradient copy after its reduction relies on)."""
+    from deepspeed.runtime.zero.transfers import HostTransfers, pinned_empty
+    device = _device()
+    transfers = HostTransfers(device)
+    src = torch.zeros(1 << 20, device=device)
+    dst = pinned_empty(src.numel(), torch.float32)
+    for value in (1.0, 2.0, 3.0):
+        if device.type == "cuda":
+            torch.cuda._sleep(50_000_000)  # keep the compute stream busy (tens of ms) before it writes the source
+        src.fill_(value)
+        transfers.copy(dst, src).synchronize()
+        assert bool((dst == value).all()), f"the copy read the source before the compute stream wrote {value}"
+    return "3 copies ordered after their producer"
+
+
 def check_contract(cell_id):
     from tests.unit.contract.runner import run_cell
     cell = dict(next(c for c in CONTRACT_CELLS if c["id"] == cell_id))
@@ -275,10 +292,10 @@ def _init():
     deepspeed.init_distributed(dist_backend="gloo" if ON_CPU else "nccl", verbose=False)
 
 
-ALL = ([("paths-" + n, check_paths, n)
-        for n in sorted(PATH_CASES)] + [("overlap-" + n, check_overlap, n)
-                                        for n in OVERLAP_CASES] + [(c["id"], check_contract, c["id"])
-                                                                   for c in CONTRACT_CELLS])
+PATH_ENTRIES = [("paths-" + n, check_paths, n) for n in sorted(PATH_CASES)]
+OVERLAP_ENTRIES = [("overlap-" + n, check_overlap, n) for n in OVERLAP_CASES]
+ORDERING_ENTRIES = [("transfers-ordering", check_transfer_ordering, None)]
+ALL = PATH_ENTRIES + OVERLAP_ENTRIES + ORDERING_ENTRIES + [(c["id"], check_contract, c["id"]) for c in CONTRACT_CELLS]
 
 
 @pytest.mark.parametrize("case_id", [c[0] for c in ALL])
