@@ -115,7 +115,7 @@ class StepPipeline:
         """Whether a launched step may still be running."""
         return self._launch is not None
 
-    def _prepare(self, grad_scale):
+    def _prepare(self):
         """Per group: (master, grad, state, scalars), the step counted and its scalars read now."""
         host_step = self.host_step
         optimizer = host_step.optimizer
@@ -140,7 +140,7 @@ class StepPipeline:
         The caller made sure nothing still reads the targets (``HostStep.wait_readers``).
         """
         self.finish()
-        prepared = self._prepare(grad_scale)
+        prepared = self._prepare()
         share = self.host_step.share
         if share is not None:
             share.launch(self.host_step.optimizer.param_groups, {

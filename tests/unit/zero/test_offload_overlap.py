@@ -117,7 +117,7 @@ def _compare(stage, clip, steps, delay, width, depth, bucket, gas, bf16=False):
                                                  (3, 1.0, 2, True), (2, 1.0, 1, False)])
 def test_overlap_is_bit_identical_world1(stage, clip, gas, bf16):
     # small buckets: many pieces; the delay makes the forward overtake the host step unless it waits
-    assert _compare(stage, clip, 3, 0.01, 9, 4, 40, gas, bf16)
+    assert run_distributed(_compare, 1, args=(stage, clip, 3, 0.01, 9, 4, 40, gas, bf16), timeout=180) == [True]
 
 
 def test_overlap_is_bit_identical_world2():
@@ -136,7 +136,7 @@ def _compare_ratio(ratio, steps, width, depth, gas):
 
 @pytest.mark.parametrize("ratio", [0.0, 0.37])
 def test_partial_offload_equals_full_offload_world1(ratio):
-    assert _compare_ratio(ratio, 3, 9, 3, 2)
+    assert run_distributed(_compare_ratio, 1, args=(ratio, 3, 9, 3, 2), timeout=180) == [True]
 
 
 def test_partial_offload_equals_full_offload_world2():
@@ -144,6 +144,10 @@ def test_partial_offload_equals_full_offload_world2():
 
 
 def test_overlap_state_dict_waits_for_the_step():
+    assert run_distributed(_state_dict_waits, 1, timeout=120) == [True]
+
+
+def _state_dict_waits():
     os.environ["DS_OFFLOAD_OVERLAP"] = "1"
     StepPipeline.piece_delay = 0.02
     try:
@@ -179,6 +183,7 @@ def test_overlap_state_dict_waits_for_the_step():
         for name, p in model.named_parameters():
             assert torch.equal(weights[name], p.detach())
         engine.destroy()
+        return True
     finally:
         StepPipeline.piece_delay = 0.0
         os.environ.pop("DS_OFFLOAD_OVERLAP", None)
