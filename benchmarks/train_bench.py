@@ -317,6 +317,7 @@ def run_one(name, args, cfg, data, device, world):
     losses = [sum(g[0]["losses"][i] for g in gathered) / world for i in range(n_steps)]
     median = statistics.median(step_times[timed:])
     tokens_per_s = args.micro_batch * args.gas * world * args.seq / median
+    # grad_norms: each step's global gradient norm (rank 0's; every rank has the same)
     row.update(status="ok",
                median_step_s=median,
                step_times_s=step_times[timed:],
@@ -324,7 +325,7 @@ def run_one(name, args, cfg, data, device, world):
                tokens_per_s=tokens_per_s,
                setup_peak_mem_gib=max((g[0]["setup_peak_mem_gib"] or 0.0) for g in gathered) or None,
                losses=losses,
-               grad_norms=gathered[0][0].get("grad_norms"),  # the global norm of each step (rank 0's, same on all)
+               grad_norms=gathered[0][0].get("grad_norms"),
                first_loss=losses[0],
                final_loss=losses[-1])
     if device.type == "cuda":
