@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from deepspeed.runtime.zenflow.config import check_zenflow_stage
+from deepspeed.utils.logging import logger
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class StageConfig:
             raise NotImplementedError("NVMe offload is not supported; see docs/compatibility.md")
         check_zenflow_stage(zero.zenflow, stage, offload_optimizer)
         opt_section = zero.offload_optimizer if offload_optimizer == "cpu" else None
+        if opt_section is not None and opt_section.super_offload:
+            logger.warning("zero_optimization.offload_optimizer.super_offload is accepted, but speculative steps are "
+                           "not implemented: the exact pipelined offload step runs (see docs/offload.md)")
         param_section = zero.offload_param if offload_param == "cpu" else None
         return cls(stage=stage,
                    model_dtype=model_dtype,
