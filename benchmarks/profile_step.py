@@ -7,7 +7,9 @@
 For each system: ``--warmup`` steps, then one profiled step. Printed per system: the step's wall time, the CPU
 time the host spent (the profiler's total of top-level CPU events), the device's busy time (sum of kernel times),
 the ``DS::<phase>`` ranges of this package (count, total CPU ms) and the top operators by self CPU time. With
-``--out-dir`` the Chrome trace of each step is written there (``<system>.json``).
+``--out-dir`` the Chrome trace of each step is written there (``<system>.json``). ``--timeline`` prints, per system,
+the step's timeline: every ``DS::`` range with its thread, start and length (ms from the step's start), and the
+device's busy share in 20 ms bins (where the GPU waits for the host).
 """
 
 import argparse
@@ -45,6 +47,7 @@ def parse_args(argv=None):
     ap.add_argument("--ds-extra", type=json.loads, default={}, help="a JSON object merged into the DeepSpeed config")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--timeline", action="store_true", help="print the DS:: ranges and the device's busy bins in time")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--pg-timeout-min", type=float, default=10.0)
     args = ap.parse_args(argv)
@@ -67,6 +70,49 @@ def summarize(prof, wall_s, name, top):
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
         lines.append(f"| {e.key[:60]} | {e.count} | {e.self_cpu_time_total / 1e3:.2f} | "
                      f"{e.cpu_time_total / 1e3:.2f} |")
+    return "\n".join(lines)
+
+
+def timeline(trace_path, bin_ms=20.0):
+    """The ``DS::`` ranges (thread, start, length) and the device's busy share per bin, from a Chrome trace."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    if not events:
+        return "(empty trace)"
+    t0 = min(e["ts"] for e in events)
+    t1 = max(e["ts"] + e.get("dur", 0) for e in events)
+    lines = ["| DS range | tid | start (ms) | length (ms) |", "| --- | ---: | ---: | ---: |"]
+    ranges = sorted(
+        (e for e in events if str(e.get("name", "")).startswith("DS::") and e.get("cat") != "gpu_user_annotation"),
+        key=lambda e: e["ts"])
+    merged = []  # consecutive ranges of one name on one thread closer than 1 ms: one row
+    for e in ranges:
+        start, end = (e["ts"] - t0) / 1e3, (e["ts"] + e.get("dur", 0) - t0) / 1e3
+        last = merged[-1] if merged else None
+        if last and last[0] == e["name"] and last[1] == e.get("tid") and start - last[3] < 1.0:
+            last[3], last[4] = end, last[4] + 1
+        else:
+            merged.append([e["name"], e.get("tid"), start, end, 1])
+    for name, tid, start, end, n in merged:
+        lines.append(f"| {name}{f' x{n}' if n > 1 else ''} | {tid} | {start:.1f} | {end - start:.1f} |")
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    nbins = int((t1 - t0) / 1e3 / bin_ms) + 1
+    busy = [0.0] * nbins
+    copies = [0.0] * nbins
+    for e in device:
+        s, d = (e["ts"] - t0) / 1e3, e.get("dur", 0) / 1e3
+        while d > 0:
+            b = min(int(s / bin_ms), nbins - 1)
+            part = min(d, (b + 1) * bin_ms - s)
+            (copies if e.get("cat") == "gpu_memcpy" else busy)[b] += part
+            s, d = s + part, d - part
+    lines.append("")
+    lines.append(f"device busy per {bin_ms:.0f} ms bin (kernels% / copies%):")
+    row = []
+    for b in range(nbins):
+        row.append(f"{b * bin_ms:.0f}:{min(100, busy[b] / bin_ms * 100):.0f}/{min(100, copies[b] / bin_ms * 100):.0f}")
+    for i in range(0, len(row), 10):
+        lines.append("  " + "  ".join(row[i:i + 10]))
     return "\n".join(lines)
 
 
@@ -108,9 +154,16 @@ def main(argv=None):
         system.close()
         if rank == 0:
             print(summarize(prof, wall, name, args.top), flush=True)
+            trace = None
             if args.out_dir:
                 os.makedirs(args.out_dir, exist_ok=True)
-                prof.export_chrome_trace(os.path.join(args.out_dir, f"{name}.json"))
+                trace = os.path.join(args.out_dir, f"{name}.json")
+            elif args.timeline:
+                trace = f"/tmp/profile_step_{os.getpid()}_{name}.json"
+            if trace:
+                prof.export_chrome_trace(trace)
+            if args.timeline:
+                print(timeline(trace), flush=True)
         del system, prof
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -107,6 +107,11 @@ class DeepSpeedSystem:
             total = total + loss.detach()
         return total / len(micro_batches)
 
+    def grad_norm(self):
+        """The global gradient norm of the last optimizer step (before clipping), or None."""
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
     def close(self):
         self.engine.destroy()
         self.engine = None

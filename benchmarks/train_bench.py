@@ -198,7 +198,7 @@ def bench_system(name, args, cfg, data, device):
         torch.cuda.reset_peak_memory_stats(device)
     idle = None
     try:
-        step_times, losses = [], []
+        step_times, losses, grad_norms = [], [], []
         for micro_batches in data:
             _sync(device)
             start = time.perf_counter()
@@ -206,12 +206,18 @@ def bench_system(name, args, cfg, data, device):
             _sync(device)
             step_times.append(time.perf_counter() - start)
             losses.append(float(loss))
+            grad_norms.append(system.grad_norm() if hasattr(system, "grad_norm") else None)
         peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
         if args.idle_steps > 0:
             idle = measure_idle(name, system, data[-args.idle_steps:], device, args.profile_dir)
     finally:
         system.close()
-    return dict(step_times=step_times, losses=losses, peak_mem_gib=peak, setup_peak_mem_gib=setup_peak, idle=idle)
+    return dict(step_times=step_times,
+                losses=losses,
+                grad_norms=grad_norms,
+                peak_mem_gib=peak,
+                setup_peak_mem_gib=setup_peak,
+                idle=idle)
 
 
 def measure_idle(name, system, data, device, profile_dir):
@@ -311,6 +317,7 @@ def run_one(name, args, cfg, data, device, world):
     losses = [sum(g[0]["losses"][i] for g in gathered) / world for i in range(n_steps)]
     median = statistics.median(step_times[timed:])
     tokens_per_s = args.micro_batch * args.gas * world * args.seq / median
+    # grad_norms: each step's global gradient norm (rank 0's; every rank has the same)
     row.update(status="ok",
                median_step_s=median,
                step_times_s=step_times[timed:],
@@ -318,6 +325,7 @@ def run_one(name, args, cfg, data, device, world):
                tokens_per_s=tokens_per_s,
                setup_peak_mem_gib=max((g[0]["setup_peak_mem_gib"] or 0.0) for g in gathered) or None,
                losses=losses,
+               grad_norms=gathered[0][0].get("grad_norms"),
                first_loss=losses[0],
                final_loss=losses[-1])
     if device.type == "cuda":

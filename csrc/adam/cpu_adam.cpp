@@ -11,7 +11,11 @@
 //   m = m + (1 - beta1) * (g - m)                           (torch's lerp for a weight below one half)
 //   v = v * beta2 + ((1 - beta2) * g) * g
 //   p = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)   (bc1 = 1 - beta1^t, bc2 = 1 - beta2^t)
-// with every scalar computed in double by the caller and rounded to float once. The caller (Python) checks
+// with every scalar computed in double by the caller and rounded to float once. The gradient is first multiplied
+// by ``grad_scale`` (the clipping coefficient; 1 leaves it as is), rounded to float, exactly as a separate pass
+// ``g *= grad_scale`` over the gradient would, so a clipped step needs no pass of its own. The op is built with
+// -ffp-contract=off: every operation is rounded on its own (no fused multiply-add), so the result of an element does
+// not depend on the compiler's choices, and the same sequence of torch operations elsewhere (on a GPU) matches it. The caller (Python) checks
 // dtypes, sizes and contiguity and passes raw addresses: this file needs no torch headers, so it compiles in
 // seconds and does not depend on torch's C++ ABI. A rejected argument is reported by returning its message
 // (empty on success), not by a C++ exception, as in csrc/grad_ops.
@@ -54,6 +58,7 @@ struct AdamArgs {
     float neg_step_size;  // -lr / bc1
     float bias_correction2_sqrt;
     float eps;
+    float grad_scale;
     int threads;
 };
 
@@ -90,13 +95,13 @@ void adam_pass(const AdamArgs& a)
     uint16_t* __restrict__ out = a.out;
     const float one_minus_beta1 = a.one_minus_beta1, beta2 = a.beta2, one_minus_beta2 = a.one_minus_beta2;
     const float weight_decay = a.weight_decay, decay_factor = a.decay_factor, neg_step_size = a.neg_step_size;
-    const float bc2_sqrt = a.bias_correction2_sqrt, eps = a.eps;
+    const float bc2_sqrt = a.bias_correction2_sqrt, eps = a.eps, grad_scale = a.grad_scale;
     const int64_t numel = a.numel;
 
 #pragma omp parallel for simd num_threads(a.threads) schedule(simd : static)
     for (int64_t i = 0; i < numel; ++i) {
         float p = param[i];
-        float g = grad[i];
+        float g = grad[i] * grad_scale;
         if (kL2) g = g + weight_decay * p;
         p = p * decay_factor;
         float m = exp_avg[i];
@@ -141,7 +146,8 @@ std::string adam_step(uintptr_t param,
                double bias_correction2_sqrt,
                uintptr_t out,
                int out_kind,
-               int threads)
+               int threads,
+               double grad_scale)
 {
     if (numel < 0) return "cpu_adam: numel must be >= 0";
     if (out_kind < kNoCopy || out_kind > kFloat16) return "cpu_adam: unknown output kind";
@@ -164,6 +170,7 @@ std::string adam_step(uintptr_t param,
     a.neg_step_size = static_cast<float>(-lr / bias_correction1);
     a.bias_correction2_sqrt = static_cast<float>(bias_correction2_sqrt);
     a.eps = static_cast<float>(eps);
+    a.grad_scale = static_cast<float>(grad_scale);
     a.threads = (numel < kSerialBelow || threads < 1) ? 1 : threads;
     if (!adamw_mode && weight_decay != 0.0)
         dispatch_out<true>(a, out_kind);
@@ -205,6 +212,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           py::arg("out"),
           py::arg("out_kind"),
           py::arg("threads"),
+          py::arg("grad_scale") = 1.0,
           py::call_guard<py::gil_scoped_release>());
     m.def("has_float16", []() { return kHasFloat16; }, "Whether float16 output is available");
     m.def("max_threads", &max_threads, "OpenMP's default team size");

@@ -10,6 +10,12 @@ Two checks, in one process (world 1, NCCL; ``DS_GPU_TESTS_ON_CPU=1`` runs them o
   with ``DS_OFFLOAD_SYNC=1`` (every copy a plain blocking one). Every parameter must be equal,
   bit for bit, after every step: the streams only change when copies happen, never what they
   copy;
+* *overlap*: the pipelined offloaded step (buckets stepped in forward order and uploaded as each is
+  done, clipping in the host Adam op, the next forward overlapping the last buckets; each piece slowed
+  by 5 ms so that the forward really runs ahead of the host) against ``DS_OFFLOAD_OVERLAP=0`` (the
+  whole-partition step), and partial offload (``offload_optimizer.ratio``, the device share stepped by
+  torch operations on the GPU) against full offload: bit-identical parameters, fp32 masters and Adam
+  moments after every step;
 * *contract*: cells of the gradient contract (``tests.unit.contract.runner.run_cell``) with
   offload on the GPU (stages 1-3, GAS 1 and 4, bf16 and fp16, several backward calls per step)
   against the plain-torch reference.
@@ -125,25 +131,40 @@ def _config(case):
     return cfg
 
 
+OVERLAP_CASES = {
+    "z2-gas2": (dict(stage=2, gas=2, zero={"offload_optimizer": PIN}), None),
+    "z1-gas1": (dict(stage=1, gas=1, zero={"offload_optimizer": PIN}), None),
+    "z3-both-gas2": (dict(stage=3, gas=2, zero=dict(SMALL_UNITS, offload_optimizer=PIN, offload_param=PIN)), None),
+    "z3-ratio0.5-vs-full": (dict(stage=3, gas=2, zero=dict(SMALL_UNITS, offload_optimizer=PIN)), 0.5),
+    "z3-ratio0-both-vs-full": (dict(stage=3, gas=1, zero=dict(SMALL_UNITS, offload_optimizer=PIN,
+                                                              offload_param=PIN)), 0.0),
+}
+
+
 @contextlib.contextmanager
-def _sync_copies(enabled):
-    before = os.environ.get("DS_OFFLOAD_SYNC")
-    os.environ["DS_OFFLOAD_SYNC"] = "1" if enabled else "0"
+def _environment(values):
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("DS_OFFLOAD_SYNC", None)
-        else:
-            os.environ["DS_OFFLOAD_SYNC"] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
-def _train(case, device, sync, steps=4):
+def _sync_copies(enabled):
+    return _environment({"DS_OFFLOAD_SYNC": "1" if enabled else "0"})
+
+
+def _train(case, device, sync, steps=4, env=None, with_state=False):
     import deepspeed
     torch.manual_seed(0)
     model = _Model()
     history = []
-    with _sync_copies(sync):
+    with _sync_copies(sync), _environment(env or {}):
         engine = deepspeed.initialize(model=copy.deepcopy(model), config=_config(case))[0]
         try:
             for step in range(steps):
@@ -157,8 +178,16 @@ def _train(case, device, sync, steps=4):
                 if case["stage"] == 3:
                     from deepspeed.utils import safe_get_full_fp32_param
                     history.append([safe_get_full_fp32_param(p).detach().cpu() for p in engine.module.parameters()])
-                else:
-                    history.append([p.detach().float().cpu().clone() for p in engine.module.parameters()])
+                else:  # state_dict() waits for a step still running in the background
+                    history.append([v.detach().float().cpu().clone() for v in engine.module.state_dict().values()])
+                if with_state:
+                    stage = engine._stage
+                    stage._masters_current()
+                    state = [m.detach().cpu().clone() for m in stage.masters]
+                    for master in stage.masters:
+                        entry = stage.optimizer.state.get(master, {})
+                        state += [entry[k].detach().cpu().clone() for k in ("exp_avg", "exp_avg_sq") if k in entry]
+                    history[-1] += state
         finally:
             engine.destroy()
     return history
@@ -179,6 +208,47 @@ def check_paths(name):
     moved = any(not torch.equal(x, y) for x, y in zip(streamed[0], streamed[-1]))
     assert moved, f"{name}: parameters did not change over the run"
     return f"{len(streamed)} steps identical"
+
+
+def check_overlap(name):
+    """The pipelined (overlapped) step, or partial offload, against the whole-partition full-offload step."""
+    from deepspeed.runtime.zero.step_pipeline import StepPipeline
+    case, ratio = OVERLAP_CASES[name]
+    device = _device()
+    reference = _train(case, device, sync=False, env={"DS_OFFLOAD_OVERLAP": "0"}, with_state=True)
+    if ratio is not None:
+        case = copy.deepcopy(case)
+        case["zero"]["offload_optimizer"] = dict(case["zero"]["offload_optimizer"], ratio=ratio)
+    StepPipeline.piece_delay = 0.005
+    try:
+        tested = _train(case, device, sync=False, env={"DS_OFFLOAD_OVERLAP": "1"}, with_state=True)
+    finally:
+        StepPipeline.piece_delay = 0.0
+    for step, (a, b) in enumerate(zip(tested, reference)):
+        assert len(a) == len(b), f"{name}: step {step}: {len(a)} tensors against {len(b)}"
+        for index, (x, y) in enumerate(zip(a, b)):
+            if not torch.equal(x, y):
+                diff = (x.float() - y.float()).abs().max().item()
+                raise AssertionError(f"{name}: step {step} tensor {index} differs from the whole-partition step "
+                                     f"(max abs diff {diff:g})")
+    return f"{len(tested)} steps identical (parameters, masters, moments)"
+
+
+def check_transfer_ordering(_):
+    """A device-to-host copy issued while the compute stream is still writing its source reads the written values
+    (the copy's stream waits for the compute stream: what a gradient copy after its reduction relies on)."""
+    from deepspeed.runtime.zero.transfers import HostTransfers, pinned_empty
+    device = _device()
+    transfers = HostTransfers(device)
+    src = torch.zeros(1 << 20, device=device)
+    dst = pinned_empty(src.numel(), torch.float32)
+    for value in (1.0, 2.0, 3.0):
+        if device.type == "cuda":
+            torch.cuda._sleep(50_000_000)  # keep the compute stream busy (tens of ms) before it writes the source
+        src.fill_(value)
+        transfers.copy(dst, src).synchronize()
+        assert bool((dst == value).all()), f"the copy read the source before the compute stream wrote {value}"
+    return "3 copies ordered after their producer"
 
 
 def check_contract(cell_id):
@@ -222,8 +292,10 @@ def _init():
     deepspeed.init_distributed(dist_backend="gloo" if ON_CPU else "nccl", verbose=False)
 
 
-ALL = [("paths-" + n, check_paths, n) for n in sorted(PATH_CASES)] + [(c["id"], check_contract, c["id"])
-                                                                      for c in CONTRACT_CELLS]
+PATH_ENTRIES = [("paths-" + n, check_paths, n) for n in sorted(PATH_CASES)]
+OVERLAP_ENTRIES = [("overlap-" + n, check_overlap, n) for n in OVERLAP_CASES]
+ORDERING_ENTRIES = [("transfers-ordering", check_transfer_ordering, None)]
+ALL = PATH_ENTRIES + OVERLAP_ENTRIES + ORDERING_ENTRIES + [(c["id"], check_contract, c["id"]) for c in CONTRACT_CELLS]
 
 
 @pytest.mark.parametrize("case_id", [c[0] for c in ALL])

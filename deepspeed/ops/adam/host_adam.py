@@ -8,7 +8,8 @@ update alone is at parity on 16 cores, docs/performance.md). :func:`group_suppor
 :func:`tensor_supported` say which updates it takes: float32, contiguous CPU tensors in a group without
 amsgrad, maximize, capturable or tensor hyperparameters; everything else stays on torch's kernels.
 :func:`adam_step` runs one update, optionally writing the updated parameter's bf16/fp16 copy into ``out`` in
-the same pass.
+the same pass and scaling the gradient first (the clipping coefficient); :func:`begin_step` and :func:`step_piece`
+run the same update piece by piece (the offloaded step pipelines pieces with their uploads).
 
 The update is torch's single-tensor Adam/AdamW in float32 (same order of operations), so results agree with
 ``torch.optim.AdamW`` to float32 rounding; the optimizer state keeps torch's layout (``step``, ``exp_avg``,
@@ -65,25 +66,47 @@ def copy_target_supported(op, target, param):
     return target.dtype != torch.float16 or op.has_float16()
 
 
-def adam_step(op, group, param, grad, state, out=None):
+def adam_step(op, group, param, grad, state, out=None, grad_scale=1.0):
     """One Adam/AdamW update of ``param`` in place (``state['step']`` is incremented); ``out``, if given and
-    accepted by :func:`copy_target_supported`, receives the updated values rounded to its dtype.
+    accepted by :func:`copy_target_supported`, receives the updated values rounded to its dtype. The update uses
+    ``grad * grad_scale`` (rounded to float32, as a separate ``grad *= grad_scale`` would) without changing ``grad``.
 
     Raises ValueError, before changing anything, for moments that are not float32 CPU tensors like ``param``.
     """
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    for moment in (exp_avg, exp_avg_sq):
+    scalars = begin_step(group, param, state)
+    step_piece(op, group, scalars, param, grad, state, 0, param.numel(), out, grad_scale)
+
+
+def begin_step(group, param, state):
+    """Count one step in ``state`` and return its scalars, for :func:`step_piece` calls over pieces of ``param``.
+
+    Stepping ``param`` piece by piece (any split, any order) gives the same bits as one :func:`adam_step`: the update
+    is elementwise. Raises ValueError, before changing anything, for moments unlike ``param``.
+    """
+    for moment in (state["exp_avg"], state["exp_avg_sq"]):
         if not _flat_cpu_fp32(moment) or moment.numel() != param.numel():
             raise ValueError("host Adam: the moments must be contiguous float32 CPU tensors shaped like the parameter")
     state["step"] += 1
     step = float(state["step"])
     beta1, beta2 = group["betas"]
-    bias_correction1 = 1.0 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-    error = op.adam_step(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), param.numel(),
-                         float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                         float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bias_correction1,
-                         bias_correction2_sqrt, 0 if out is None else out.data_ptr(),
-                         0 if out is None else _OUT_KINDS[out.dtype], torch.get_num_threads())
+    return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+            bool(group["decoupled_weight_decay"]), 1.0 - beta1**step, math.sqrt(1.0 - beta2**step))
+
+
+def step_piece(op, group, scalars, param, grad, state, start, length, out=None, grad_scale=1.0, threads=None):
+    """Update elements ``[start, start + length)`` of ``param`` (and its moments, and of ``out`` if given) with the
+    scalars of :func:`begin_step`; ``threads``: OpenMP threads (default: torch's intra-op count)."""
+    if length <= 0:
+        return
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1, bias_correction2_sqrt = scalars
+
+    def at(tensor):
+        return tensor.data_ptr() + start * tensor.element_size()
+
+    error = op.adam_step(at(param), at(grad), at(exp_avg), at(exp_avg_sq), int(length), lr, beta1, beta2, eps,
+                         weight_decay, decoupled, bias_correction1, bias_correction2_sqrt,
+                         0 if out is None else at(out), 0 if out is None else _OUT_KINDS[out.dtype],
+                         int(threads or torch.get_num_threads()), float(grad_scale))
     if error:  # the op reports a rejected argument by its message (no C++ exception crosses the extension)
         raise ValueError(error)

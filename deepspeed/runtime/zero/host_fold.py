@@ -80,6 +80,8 @@ class HostFolder:
         self._written = set()
         self._largest = 0
         self.folds = 0  # folds since the last new_window (tests read it)
+        # Called before the partitions are written or read (an offloaded step still reading them finishes first).
+        self.barrier = None
 
     @staticmethod
     def _key(piece):
@@ -113,6 +115,8 @@ class HostFolder:
         numel = piece.numel()
         if numel == 0:
             return DONE
+        if self.barrier is not None:
+            self.barrier()
         key = self._key(piece)
         fresh = key not in self._written
         self._written.add(key)
@@ -136,6 +140,8 @@ class HostFolder:
 
     def settle(self):
         """Complete every fold issued so far, and zero the registered pieces this window did not write."""
+        if self.barrier is not None:
+            self.barrier()
         with ds_range("DS::host_settle"):
             while self._pending:
                 self._pending.popleft().synchronize()

@@ -19,6 +19,12 @@ the masters and the optimizer state on the host:
 Before the step writes the targets again, the host waits for the copies that read them
 (a buffer an asynchronous copy reads must not change under it).
 
+Pipelined (:mod:`~deepspeed.runtime.zero.step_pipeline`, with ``DeepSpeedCPUAdam`` on the host op):
+:meth:`step_and_gather` steps the partition bucket by bucket in the order the next forward needs them,
+uploads (and all-gathers) each bucket as soon as it is stepped, applies the clipping coefficient as the
+op reads the gradient, and on one rank may return before the last bucket is stepped (each module's
+forward then waits for its own buckets, :meth:`wait_for_piece`). Same bits as the whole step.
+
 After anything else changed the masters (a checkpoint load, ``safe_set_full_fp32_param``),
 :meth:`refresh` recomputes the targets from them; :meth:`gather_into` and the stages do so
 when the step did not just write them (``fresh``).
@@ -29,9 +35,12 @@ import inspect
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.utils.logging import logger
 from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.device_share import DeviceShare
 from deepspeed.runtime.zero.host_worker import cores_for, threads
 from deepspeed.runtime.zero.profiling import ds_range
+from deepspeed.runtime.zero.step_pipeline import StepPiece, StepPipeline
 from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned_empty
 
 # Elements cast per chunk when the masters are cast into the targets after the step.
@@ -63,7 +72,8 @@ class HostStep:
                  pin_memory,
                  cores_perc=0.8,
                  threads=None,
-                 targets=None):
+                 targets=None,
+                 device_ranges=None):
         self.optimizer = optimizer
         self.masters = masters
         self.model_dtype = model_dtype
@@ -76,28 +86,102 @@ class HostStep:
         self._fused_copy = writes_16bit_copy(optimizer)
         self._reading = DONE  # the last copy that reads the targets
         self.fresh = False  # the targets hold the masters' current values
+        self.pipeline = StepPipeline(self) if StepPipeline.supported(self) else None
+        self.share = None  # partial offload: the ranges the device steps (``device_ranges``, DeviceShare)
+        if device_ranges:
+            if self.pipeline is None:
+                logger.warning("offload_optimizer.ratio < 1 needs the pipelined host step (DeepSpeedCPUAdam on the "
+                               "host Adam op, a 16-bit model, DS_OFFLOAD_OVERLAP not 0): the whole optimizer state "
+                               "stays on the host")
+            else:
+                self.share = DeviceShare(self, device_ranges, self.device)
+
+    def _states(self):
+        return {g: self.optimizer.state[m] for g, m in enumerate(self.masters) if self.optimizer.state.get(m)}
+
+    def sync_host(self):
+        """Before the host masters or moments are read or written outside a step: the step completes, and a
+        device share's values are copied down (the next step uploads them again)."""
+        self.finish()
+        if self.share is not None:
+            self.share.sync_host(self._states())
+
+    def _device_pieces(self, g, start, length):
+        """Split ``[start, start + length)`` of group ``g`` into host and device pieces (partial offload)."""
+        cuts = [(start, start + length, False)]
+        for r in (self.share.ranges if self.share is not None else []):
+            if r.group != g:
+                continue
+            out = []
+            for lo, hi, dev in cuts:
+                a, b = max(lo, r.start), min(hi, r.start + r.length)
+                if dev or a >= b:
+                    out.append((lo, hi, dev))
+                    continue
+                out += [x for x in ((lo, a, False), (a, b, True), (b, hi, False)) if x[1] > x[0]]
+            cuts = out
+        return cuts
+
+    @property
+    def writes_16bit(self):
+        """Whether the inner optimizer writes the targets in its own pass (``fp16_param_groups``)."""
+        return self._fused_copy
+
+    @property
+    def fuses_clip(self):
+        """Whether :meth:`step` and :meth:`step_and_gather` apply a clipping coefficient themselves (no pass)."""
+        return self.pipeline is not None
+
+    def finish(self):
+        """Complete a pipelined step still running (a no-op otherwise)."""
+        if self.pipeline is not None:
+            self.pipeline.finish()
+
+    def wait_for_piece(self, index):
+        """Before a forward reads the parameters of piece ``index`` (and of the pieces before it)."""
+        if self.pipeline is not None and self.pipeline.pending:
+            self.pipeline.wait_through(index)
+
+    def close(self):
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def _target_groups(self, optimizer):
         return [[self.targets[g]] if group["params"] else [] for g, group in enumerate(optimizer.param_groups)]
 
     def wait_readers(self, extra=None):
         """Block until no asynchronous copy reads the targets (``extra``: another copy handle to wait for)."""
+        self.finish()
+        if self.share is not None:
+            self.share.wait_host()
         self._reading.synchronize()
         self._reading = DONE
         if extra is not None:
             extra.synchronize()
 
     @torch.no_grad()
-    def step(self, before_write=None, optimizer=None, threads_n=None):
+    def step(self, before_write=None, optimizer=None, threads_n=None, grad_scale=1.0):
         """One step of the inner optimizer on the host masters; the targets then hold their 16-bit values.
 
         ``before_write`` (a handle with ``synchronize()``) is waited for before the targets are written:
         copies from the targets that are not this object's own (ZeRO-3 parameter fetches). ``optimizer``
         steps instead of the inner one (a snapshot of it: same parameters and state); ``threads_n`` is the
-        thread count of the calling thread for this step (default: ``self.threads``).
+        thread count of the calling thread for this step (default: ``self.threads``). ``grad_scale`` (the
+        clipping coefficient, only where :attr:`fuses_clip`) multiplies the gradients as they are read.
         """
         optimizer = optimizer or self.optimizer
         self.wait_readers(before_write)
+        if self.pipeline is not None and optimizer is self.optimizer:
+            pieces = [
+                StepPiece(g, lo, hi - lo, on_device=dev) for g, m in enumerate(self.masters)
+                for lo, hi, dev in self._device_pieces(g, 0, m.numel())
+            ]
+            with ds_range("DS::host_step"):
+                self.pipeline.launch(pieces, grad_scale)
+            self.fresh = True
+            return
+        if grad_scale != 1.0:
+            raise ValueError("HostStep.step: a gradient scale needs the pipelined step (fuses_clip)")
         with ds_range("DS::host_step"), threads(threads_n or self.threads):
             if self._fused_copy:
                 optimizer.step(fp16_param_groups=self._target_groups(optimizer))
@@ -107,8 +191,50 @@ class HostStep:
         self.fresh = True
 
     @torch.no_grad()
+    def step_and_gather(self, layout, flat_params, group, grad_scale=1.0, background=False):
+        """Stages 1/2, pipelined (needs :attr:`pipeline`): step each bucket's piece in the order the forward needs
+        them (last bucket first), upload it and all-gather it as soon as it is stepped.
+
+        With ``background`` (one rank only: a collective must not be issued from the worker thread) the call
+        returns at once; :meth:`wait_for_piece` and :meth:`finish` wait. Piece ``i`` is bucket
+        ``len(layout.buckets) - 1 - i``.
+        """
+        if background and layout.world_size != 1:
+            raise ValueError("HostStep.step_and_gather: background steps need a world of one")
+        self.wait_readers()
+        world = layout.world_size
+        transfers = self.transfers
+        transfers.after_current()  # the uploads overwrite parameters the last backward read
+        pieces = []
+        for bucket in reversed(layout.buckets):
+            out = layout.bucket_full(flat_params, bucket)
+            if world == 1:
+
+                def send(target, out=out):
+                    return transfers.copy(out, target, wait_producer=False)
+            else:
+
+                def send(target, out=out, chunk=bucket.chunk):
+                    buffer = torch.empty(chunk, dtype=flat_params.dtype, device=flat_params.device)
+                    copied = transfers.copy(buffer, target, wait_producer=False)
+                    with copied.ordered():
+                        return _Gathered(dist.all_gather_into_tensor(out, buffer, group=group, async_op=True))
+
+            for lo, hi, dev in self._device_pieces(bucket.group, bucket.part_offset, bucket.chunk):
+                if (lo, hi) != (bucket.part_offset, bucket.part_offset + bucket.chunk):
+                    raise ValueError("HostStep.step_and_gather: a device range must hold whole buckets")
+                pieces.append(StepPiece(bucket.group, lo, hi - lo, send, on_device=dev))
+        with ds_range("DS::host_step"):
+            self.pipeline.launch(pieces, grad_scale, background=background)
+        self._reading = _StreamDone(transfers)
+        self.fresh = False
+
+    @torch.no_grad()
     def refresh(self, before_write=None):
         """Recompute the targets from the masters (they changed outside a step)."""
+        self.sync_host()
+        if self.share is not None:
+            self.share.mark_host_changed()
         self.wait_readers(before_write)
         with threads(self.threads):
             self._cast_into_targets()
@@ -176,3 +302,27 @@ class HostStep:
             last.wait_stream()
             for work in works:
                 work.wait()
+
+
+class _Gathered:
+    """A piece's all-gather as a handle the compute stream waits for."""
+
+    __slots__ = ("work", )
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait_stream(self, stream=None):
+        self.work.wait()
+
+
+class _StreamDone:
+    """Every copy issued on a transfer stream so far, as a handle the host waits for."""
+
+    __slots__ = ("transfers", )
+
+    def __init__(self, transfers):
+        self.transfers = transfers
+
+    def synchronize(self):
+        self.transfers.synchronize()

@@ -27,6 +27,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.checkpoint_stage3 import Stage3Checkpoint
+from deepspeed.runtime.zero.device_share import device_ranges
 from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.param_fetch import ShardFetch
 from deepspeed.runtime.zero.parameter_units import UnitCoordinator, build_units
@@ -125,7 +126,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                                       self.device,
                                       pin_memory=config.pin_memory,
                                       cores_perc=config.cpu_cores_perc,
-                                      targets=self.shards[:num_groups] if host_shards else None)
+                                      targets=self.shards[:num_groups] if host_shards else None,
+                                      device_ranges=device_ranges(self.masters, config.offload_ratio))
             self._host_shards = host_shards
         self.coordinator = UnitCoordinator(module, units, self._send_chunk, self.pipeline, group, device)
         self._gather_persistent()
@@ -171,7 +173,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                 for master, part in zip(self.masters, self.grad_parts):
                     master.grad = part.to(torch.float32)
             if self.host_step is not None:
-                self.host_step.step(before_write=self.fetch if self._host_shards else None)
+                self.host_step.step(before_write=self.fetch if self._host_shards else None,
+                                    grad_scale=self._take_grad_scale())
             else:
                 self.optimizer.step()
             if attached:
@@ -205,10 +208,17 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     def release(self):
         self.coordinator.remove_hooks()
+        if self.host_step is not None:
+            self.host_step.close()
         super().release()
 
     def checkpoint(self):
+        self._masters_current()
         return Stage3Checkpoint(self)
+
+    def _masters_current(self):
+        if self.host_step is not None:
+            self.host_step.sync_host()
 
     # ------------------------------------------------------------- accessors
     def _shard_of(self, buffer, param):
@@ -248,11 +258,13 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         self._write(self.grad_parts[self._group(param)], param, value)
 
     def fp32_param(self, param):
+        self._masters_current()
         g = self._group(param)
         source = self.masters[g].data if g < len(self.masters) else self.sources[g]  # never the 16-bit shards
         return self._gather(self._shard_of(source, param), param)
 
     def local_fp32_param(self, param):
+        self._masters_current()
         return self._shard_of(self.masters[self._group(param)].data, param)
 
     def _write(self, buffer, param, value):
@@ -267,6 +279,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             target[:take].copy_(flat[start:start + take])
 
     def set_fp32_param(self, param, value):
+        self._masters_current()
         with torch.no_grad():
             g = self._group(param)
             if g < len(self.masters):
@@ -279,6 +292,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         """``param.ds_tensor`` was rewritten (GatheredParameters with a modifier): refresh its master."""
         g = self._group(param)
         if g < len(self.masters):
+            self._masters_current()
             with torch.no_grad():
                 self._shard_of(self.masters[g].data, param).copy_(param.ds_tensor)
 

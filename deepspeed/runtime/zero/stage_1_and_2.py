@@ -28,6 +28,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
 from deepspeed.runtime.zero.checkpoint_partitioned import PartitionedCheckpoint
 from deepspeed.runtime.zero.offload_step import HostStep
+from deepspeed.runtime.zero.piece_waits import PieceWaits
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
 from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
 from deepspeed.runtime.zero.profiling import ds_range
@@ -85,6 +86,14 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                                       cores_perc=config.cpu_cores_perc)
 
         self.zenflow = ZenFlowStep(self, config.zenflow) if config.zenflow is not None else None
+        self._forward_waits = PieceWaits(self, module) if self._pipelined() and self.world_size == 1 else None
+        if self._pipelined():
+            geometry.folder.barrier = self.host_step.finish  # the next backward writes what the step reads
+
+    def _pipelined(self):
+        """Whether the offloaded step runs bucket by bucket with its uploads (see ``offload_step``)."""
+        return (self.host_step is not None and self.host_step.pipeline is not None and self.zenflow is None
+                and self.config.accum_dtype == torch.float32)
 
     @property
     def grad_parts(self):
@@ -95,6 +104,14 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         if self.zenflow is not None:
             with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
                 self.zenflow.step()
+            return
+        if self._pipelined():
+            with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
+                self.host_step.step_and_gather(self.layout,
+                                               self.flat_params,
+                                               self.group,
+                                               grad_scale=self._take_grad_scale(),
+                                               background=self._forward_waits is not None)
             return
         with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
             attached = self._attach_step_grads()
@@ -144,18 +161,25 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                 self.zenflow.import_state(state)
 
     def _masters_current(self):
+        if self.host_step is not None:
+            self.host_step.finish()
         if self.zenflow is not None:
             self.zenflow.sync_masters()
 
     def release(self):
         if self.zenflow is not None:
             self.zenflow.close()
+        if self.host_step is not None:
+            self.host_step.close()
+        if self._forward_waits is not None:
+            self._forward_waits.remove()
         super().release()
 
     @torch.no_grad()
     def all_gather_params(self):
         """Put every rank's updated master partition into the model's parameters (a collective)."""
         if self.host_step is not None:
+            self.host_step.finish()
             self.host_step.gather_into(self.layout, self.flat_params, self.group)
             return
         layout = self.layout
@@ -173,6 +197,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                 work.wait()
 
     def checkpoint(self):
+        self._masters_current()
         return PartitionedCheckpoint(self)
 
     # ------------------------------------------------------------- accessors

@@ -167,22 +167,38 @@ class ZeroStage:
         return not bool(torch.isfinite(self.global_grad_norm()).item())
 
     def scale_grads(self, coef):
-        """Multiply the window gradient by ``coef`` (a 0-dim device tensor; clipping)."""
-        by_device = {}
-        for part in self.geometry.partitions():
-            by_device.setdefault(part.device, []).append(part)
-        for device, parts in by_device.items():
-            if device.type == "cpu":  # host partitions: the value is read anyway; a coefficient of 1 skips a pass
-                value = float(coef)
-                if value != 1.0:
-                    grad_ops.scale_(parts, value)
-                continue
-            grad_ops.scale_(parts, coef.to(device) if torch.is_tensor(coef) else coef)
+        """Multiply the window gradient by ``coef`` (a 0-dim device tensor; clipping).
+
+        With an offloaded step that applies the coefficient as it reads the gradient (``host_step.fuses_clip``,
+        a float32 window) the coefficient is kept for the step instead: the same products, no host pass.
+        """
+        host_step = getattr(self, "host_step", None)
+        if host_step is not None and host_step.fuses_clip and self.config.accum_dtype == torch.float32:
+            self._step_grad_scale = float(coef)
+            return
+        with ds_range("DS::clip"):
+            by_device = {}
+            for part in self.geometry.partitions():
+                by_device.setdefault(part.device, []).append(part)
+            for device, parts in by_device.items():
+                if device.type == "cpu":  # host partitions: the value is read anyway; a coefficient of 1 skips a pass
+                    value = float(coef)
+                    if value != 1.0:
+                        grad_ops.scale_(parts, value)
+                    continue
+                grad_ops.scale_(parts, coef.to(device) if torch.is_tensor(coef) else coef)
 
     def optimizer_step(self):
         raise NotImplementedError
 
+    _step_grad_scale = 1.0  # a clipping coefficient the offloaded step applies (see scale_grads)
+
+    def _take_grad_scale(self):
+        scale, self._step_grad_scale = self._step_grad_scale, 1.0
+        return scale
+
     def zero_window(self):
+        self._step_grad_scale = 1.0
         self._norm = None
         self.pipeline.zero_window()
 

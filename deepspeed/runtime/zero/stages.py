@@ -33,7 +33,7 @@ class StageConfig:
     offload_param: Optional[str] = None  # "cpu" or None (stage 3)
     pin_memory: bool = False  # offload_optimizer.pin_memory: page-locked host partitions and masters
     cpu_cores_perc: float = 0.8  # offload_optimizer.cpuadam_cores_perc: cores of the host optimizer step
-    offload_ratio: float = 1.0  # offload_optimizer.ratio (stage 3): share of the masters kept on the host
+    offload_ratio: float = 1.0  # offload_optimizer.ratio (stage 3): share of the optimizer state kept on the host
     param_pin_memory: bool = False  # offload_param.pin_memory (stage 3): page-locked 16-bit shards
     param_buffer_count: int = 5  # offload_param.buffer_count: pinned staging buffers for unpinned shards
     param_buffer_numel: int = int(1e8)  # offload_param.buffer_size: elements per staging buffer
@@ -52,10 +52,9 @@ class StageConfig:
             raise NotImplementedError("NVMe offload is not supported; see docs/compatibility.md")
         check_zenflow_stage(zero.zenflow, stage, offload_optimizer)
         opt_section = zero.offload_optimizer if offload_optimizer == "cpu" else None
-        if opt_section is not None and opt_section.ratio < 1.0:
-            logger.warning(f"zero_optimization.offload_optimizer.ratio={opt_section.ratio} is accepted but has no "
-                           f"effect in this release: the whole optimizer state is kept on the host (see "
-                           f"docs/offload.md)")
+        if opt_section is not None and opt_section.super_offload:
+            logger.warning("zero_optimization.offload_optimizer.super_offload is accepted, but speculative steps are "
+                           "not implemented: the exact pipelined offload step runs (see docs/offload.md)")
         param_section = zero.offload_param if offload_param == "cpu" else None
         return cls(stage=stage,
                    model_dtype=model_dtype,

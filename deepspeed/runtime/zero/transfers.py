@@ -81,14 +81,18 @@ class HostTransfers:
         if self.device.type == "cuda" and not synchronous_copies():
             self.stream = torch.cuda.Stream(self.device)
 
-    def copy(self, dst, src):
-        """Start ``dst.copy_(src)`` where one side is on the device and the other on the host."""
+    def copy(self, dst, src, wait_producer=True):
+        """Start ``dst.copy_(src)`` where one side is on the device and the other on the host.
+
+        The copy runs after what the calling thread's current stream queued so far; ``wait_producer=False``
+        skips that wait (a host thread that queues no device work, after :meth:`after_current`)."""
         if self.stream is None or (dst.device.type != "cuda" and src.device.type != "cuda"):
             dst.copy_(src)
             return DONE
-        producer = torch.cuda.current_stream(self.device)
+        producer = torch.cuda.current_stream(self.device)  # read before the context makes the side stream current
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(producer)
+            if wait_producer:
+                self.stream.wait_stream(producer)
             dst.copy_(src, non_blocking=True)
             for tensor in (src, dst):
                 if tensor.device.type == "cuda":
@@ -96,6 +100,11 @@ class HostTransfers:
             event = torch.cuda.Event()
             event.record(self.stream)
         return Transfer(event, self.stream)
+
+    def after_current(self):
+        """Later copies run after everything the calling thread's current stream queued so far."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def copy_many(self, pairs):
         """Start ``dst.copy_(src)`` for every ``(dst, src)`` of ``pairs`` in order; one handle for all of them."""

@@ -1,0 +1,250 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The offloaded optimizer step, piece by piece: each piece uploaded as soon as it is stepped.
+
+The host Adam op steps any split of a partition to the same bits as one call (the update is
+elementwise; ``deepspeed.ops.adam.host_adam.step_piece``). :class:`StepPipeline` uses that to overlap
+the three phases of an offloaded step that used to run one after the other:
+
+* the partition is cut into *pieces* (ZeRO 1-2: the rank's chunk of one bucket), stepped in the order
+  the next forward needs them (the first layers first);
+* as soon as a piece is stepped, its 16-bit values (written by the op into the pinned upload buffer in
+  the same pass) are copied to the device on the transfer stream (and, on several ranks, all-gathered
+  behind that copy), while the host steps the next piece;
+* with ``background``, the pieces are stepped on a host worker thread and :meth:`launch` returns at
+  once: the next forward starts while the host steps the last pieces, and each module's forward waits
+  (:meth:`wait_through`) only for the pieces holding its parameters: the host waits until the piece is
+  stepped and its copy issued, the compute stream waits for the copy on the device.
+
+The clipping coefficient is applied by the op as it reads the gradient (``grad_scale``): the same
+float32 product a separate ``grad *= coef`` pass would store, so no pass of its own.
+
+Everything that reads or writes what the step touches (the masters, the moments, the gradient
+partitions, the upload buffers, the model's parameters outside a waited forward) calls :meth:`finish`
+first. Every scalar of the step (learning rate, betas, the step count) is read at :meth:`launch`, on
+the caller's thread: an LR scheduler that changes the param groups after ``engine.step()`` returns does
+not race with the worker.
+
+``DS_OFFLOAD_OVERLAP=0`` turns the pipeline off (the stages step the whole partition, scale the
+gradient in a pass of its own and upload afterwards: the reference the tests compare against);
+:attr:`StepPipeline.piece_delay` slows every piece on purpose (tests: the ordering must hold when the
+host is slow).
+"""
+
+import os
+import threading
+import time
+
+import torch
+
+from deepspeed.ops.adam import host_adam
+from deepspeed.runtime.zero.host_worker import HostWorker
+from deepspeed.runtime.zero.profiling import ds_range
+from deepspeed.runtime.zero.transfers import DONE, synchronous_copies
+
+
+def overlap_enabled():
+    """Whether offloaded steps are pipelined (``DS_OFFLOAD_OVERLAP`` is not ``0``, and ``DS_OFFLOAD_SYNC=1``, every
+    copy a blocking one, is not set)."""
+    return os.environ.get("DS_OFFLOAD_OVERLAP", "1") != "0" and not synchronous_copies()
+
+
+class StepPiece:
+    """Elements ``[start, start + length)`` of param group ``group``'s partition, stepped and sent on as one.
+
+    ``send(target)`` issues the device copy (and collective) of the piece's 16-bit values ``target`` and
+    returns the handle the device waits for (``wait_stream()``), or None.
+    """
+
+    __slots__ = ("group", "start", "length", "send", "on_device")
+
+    def __init__(self, group, start, length, send=None, on_device=False):
+        self.group = group
+        self.start = start
+        self.length = length
+        self.send = send
+        self.on_device = on_device  # stepped by the host step's DeviceShare (partial offload), not the host
+
+
+class _Launch:
+    """One launched step: per piece, the host event (stepped, copy issued) and the copy's handle."""
+
+    def __init__(self, count):
+        self.stepped = [threading.Event() for _ in range(count)]
+        self.sent = [DONE] * count
+        self.waited = -1  # pieces up to this index are waited for on the compute stream
+        self.task = None
+        self.error = None
+
+
+class StepPipeline:
+    """Pipelined host steps of one :class:`~deepspeed.runtime.zero.offload_step.HostStep` (module docstring)."""
+
+    piece_delay = 0.0  # seconds slept before each piece (tests)
+
+    def __init__(self, host_step):
+        self.host_step = host_step
+        self.worker = None
+        self._launch = None
+
+    @staticmethod
+    def supported(host_step):
+        """Whether the step can be pipelined: DeepSpeedCPUAdam on the host op, float32 masters and gradients."""
+        if not overlap_enabled() or not host_step.writes_16bit:
+            return False
+        optimizer = host_step.optimizer
+        if not hasattr(optimizer, "_state_for") or host_adam.native_policy() == "never":
+            return False
+        if host_adam.host_adam_op() is None:
+            return False
+        for group, master, target in zip(optimizer.param_groups, host_step.masters, host_step.targets):
+            if not group["params"]:
+                continue
+            if group["params"] != [master] or not host_adam.group_supported(group):
+                return False
+            if target.dtype == torch.float32:
+                # DeepSpeedCPUAdam steps an fp32 model on torch's kernels unless DS_NATIVE_CPU_ADAM=1: the
+                # pipeline (on the op) would change the numbers
+                if host_adam.native_policy() != "all":
+                    return False
+            elif not host_adam.copy_target_supported(host_adam.host_adam_op(), target, master):
+                return False
+        return True
+
+    @property
+    def pending(self):
+        """Whether a launched step may still be running."""
+        return self._launch is not None
+
+    def _prepare(self):
+        """Per group: (master, grad, state, scalars), the step counted and its scalars read now."""
+        host_step = self.host_step
+        optimizer = host_step.optimizer
+        prepared = {}
+        for g, group in enumerate(optimizer.param_groups):
+            if not group["params"]:
+                continue
+            master = host_step.masters[g]
+            grad = master.grad
+            if grad is None:
+                continue
+            if not host_adam.tensor_supported(master.data, grad):
+                raise ValueError("StepPipeline: the masters and their gradients must be contiguous float32 host "
+                                 "tensors")
+            state = optimizer._state_for(master, master, group)
+            prepared[g] = (master.data, grad, state, host_adam.begin_step(group, master.data, state))
+        return prepared
+
+    def launch(self, pieces, grad_scale=1.0, background=False):
+        """Step every piece in order, uploading each when stepped; with ``background`` return before it is done.
+
+        The caller made sure nothing still reads the targets (``HostStep.wait_readers``).
+        """
+        self.finish()
+        prepared = self._prepare()
+        share = self.host_step.share
+        if share is not None:
+            share.launch(self.host_step.optimizer.param_groups, {
+                g: e[2]
+                for g, e in prepared.items()
+            }, {
+                g: e[3]
+                for g, e in prepared.items()
+            }, {
+                g: e[1]
+                for g, e in prepared.items()
+            }, grad_scale)
+        launch = _Launch(len(pieces))
+        threads = self.host_step.threads
+        transfers = self.host_step.transfers
+        targets = self.host_step.targets
+        op = host_adam.host_adam_op()
+        groups = self.host_step.optimizer.param_groups
+        device = self.host_step.device
+        delay = self.piece_delay
+
+        def run():
+            with ds_range("DS::host_step_pieces"):
+                try:
+                    for index, piece in enumerate(pieces):
+                        if delay:
+                            time.sleep(delay)
+                        entry = prepared.get(piece.group)
+                        target = targets[piece.group].narrow(0, piece.start, piece.length)
+                        if piece.on_device:  # its 16-bit values arrive from the device share's stream
+                            share.order_after(transfers.stream)
+                        elif entry is not None:
+                            param, grad, state, scalars = entry
+                            full = targets[piece.group]
+                            writes = full.dtype != torch.float32  # the op writes a 16-bit copy in its pass
+                            host_adam.step_piece(op, groups[piece.group], scalars, param, grad, state, piece.start,
+                                                 piece.length, full if writes else None, grad_scale, threads)
+                            if not writes:  # an fp32 model: the targets are copies of the masters
+                                target.copy_(param.narrow(0, piece.start, piece.length))
+                        if piece.send is not None:
+                            launch.sent[index] = piece.send(target) or DONE
+                        launch.stepped[index].set()
+                except BaseException as exc:
+                    launch.error = exc
+                    for event in launch.stepped:
+                        event.set()
+                    raise
+
+        def in_device_context():
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    run()
+            else:
+                run()
+
+        self._launch = launch
+        if background:
+            if self.worker is None:
+                self.worker = HostWorker("ds-host-step", threads)
+            launch.task = self.worker.submit(in_device_context)
+        else:
+            try:
+                in_device_context()
+            finally:
+                self._launch = None
+            self._wait_stream(launch, len(pieces) - 1)
+            if share is not None:  # the targets are complete on the host when a foreground step returns
+                share.wait_host()
+
+    @staticmethod
+    def _wait_stream(launch, index):
+        for k in range(launch.waited + 1, index + 1):
+            launch.sent[k].wait_stream()
+        launch.waited = max(launch.waited, index)
+
+    def wait_through(self, index):
+        """The host waits until pieces ``0..index`` are stepped and sent; the compute stream waits for their
+        copies on the device."""
+        launch = self._launch
+        if launch is None or index <= launch.waited:
+            return
+        index = min(index, len(launch.stepped) - 1)
+        with ds_range("DS::wait_step_piece"):
+            launch.stepped[index].wait()
+            if launch.error is not None:
+                self.finish()
+            self._wait_stream(launch, index)
+
+    def finish(self):
+        """Complete a launched step (the compute stream waits for every upload); raise what it raised."""
+        launch, self._launch = self._launch, None
+        if launch is None:
+            return
+        with ds_range("DS::wait_step"):
+            if launch.task is not None:
+                launch.task.synchronize()
+            self._wait_stream(launch, len(launch.stepped) - 1)
+            if self.host_step.share is not None:
+                self.host_step.share.wait_host()
+
+    def close(self):
+        try:
+            self.finish()
+        finally:
+            if self.worker is not None:
+                self.worker.close()
+                self.worker = None
