@@ -89,10 +89,7 @@ def reduction_plan(mesh):
     """
     dp = mesh.description.data_parallel_size
     dense = _spec(mesh, "sequence_data_parallel", dp, "dense")
-    experts = {
-        name: _spec(mesh, f"expert_data_parallel:{name}", dp, name)
-        for name in mesh.description.group_names()
-    }
+    experts = {name: _spec(mesh, f"expert_data_parallel:{name}", dp, name) for name in mesh.description.group_names()}
     return ReductionPlan(dense, experts)
 
 
