@@ -283,7 +283,7 @@ class GroupedExperts(nn.Module):
 def apply_autoep(model, cfg, ep_rank):
     """Replace the experts of every sparse block of ``model`` by :class:`GroupedExperts` (in place).
 
-    Returns ``{id(old parameter): new parameter}`` for the optimizer's param groups to follow.
+    Returns ``{id(old parameter): (old parameter, new parameter)}`` for the optimizer's param groups to follow.
     """
     preset = resolve_preset(model, cfg)
     _, block_class, _ = PRESETS[preset]
@@ -291,11 +291,17 @@ def apply_autoep(model, cfg, ep_rank):
     for _, block in _sparse_blocks(model, block_class):
         old = block.experts
         new = GroupedExperts(old, cfg.autoep_size, ep_rank, cfg.use_grouped_mm)
-        replaced[id(old.gate_up_proj)] = new.gate_up_proj
-        replaced[id(old.down_proj)] = new.down_proj
+        # The old parameter is kept in the entry: an id is only unique while its object lives.
+        replaced[id(old.gate_up_proj)] = (old.gate_up_proj, new.gate_up_proj)
+        replaced[id(old.down_proj)] = (old.down_proj, new.down_proj)
         block.experts = new
     model._autoep_config = cfg
     return replaced
+
+
+def _swap(p, replaced):
+    entry = replaced.get(id(p))
+    return entry[1] if entry is not None and entry[0] is p else p
 
 
 def remap_params(params, replaced):
@@ -304,8 +310,8 @@ def remap_params(params, replaced):
         return None
     params = list(params)
     if params and isinstance(params[0], dict):
-        return [{**g, "params": [replaced.get(id(p), p) for p in g["params"]]} for g in params]
-    return [replaced.get(id(p), p) for p in params]
+        return [{**g, "params": [_swap(p, replaced) for p in g["params"]]} for g in params]
+    return [_swap(p, replaced) for p in params]
 
 
 def remap_optimizer(optimizer, replaced):
@@ -314,11 +320,12 @@ def remap_optimizer(optimizer, replaced):
         return
     for group in optimizer.param_groups:
         for i, p in enumerate(group["params"]):
-            if id(p) in replaced:
+            new = _swap(p, replaced)
+            if new is not p:
                 if optimizer.state.get(p):
                     raise ValueError("AutoEP: the client optimizer already holds state for an expert parameter; "
                                      "build it fresh before deepspeed.initialize")
-                group["params"][i] = replaced[id(p)]
+                group["params"][i] = new
 
 
 def configure_autoep(ds_config, model, mpu, world_size):
