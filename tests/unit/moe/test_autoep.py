@@ -288,3 +288,38 @@ def _bad(kind):
 def test_bad_input_errors_on_every_rank(kind, match):
     results = run_distributed(_bad, 2, args=(kind, ), timeout=T)
     assert results[0] == results[1] and match in results[0], results
+
+
+def test_remap_follows_identity_not_a_recycled_id():
+    from deepspeed.moe.autoep import remap_params
+    old, new, other = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
+    replaced = {id(old): (old, new)}
+    assert remap_params([old, other], replaced) == [new, other]
+    # an id the table names, held by another object (the old one was freed and its id reused)
+    assert remap_params([other], {id(other): (old, new)}) == [other]
+    groups = remap_params([{"params": [old], "lr": 0.1}], replaced)
+    assert groups[0]["params"] == [new] and groups[0]["lr"] == 0.1
+
+
+def _generator_and_client_optimizer(kind):
+    import deepspeed
+    from deepspeed.utils import groups
+    model = _qwen3()
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+              "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    if kind == "generator":
+        config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        client = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    stepped = [names.get(id(p), "?") for p in engine._stage.params]  # what the gradient pipeline owns
+    engine.destroy()
+    groups.reset_mesh()
+    return len(stepped) == len(set(stepped)) == len(names) and "?" not in stepped
+
+
+@pytest.mark.parametrize("kind", ["generator", "client"])
+def test_optimizer_follows_the_replaced_experts(kind):
+    assert run_distributed(_generator_and_client_optimizer, 2, args=(kind, ), timeout=T) == [True, True]
