@@ -305,8 +305,16 @@ def _generator_and_client_optimizer(kind):
     import deepspeed
     from deepspeed.utils import groups
     model = _qwen3()
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
-              "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {
+            "stage": 2
+        },
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": 2
+        }
+    }
     if kind == "generator":
         config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
         engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
