@@ -75,7 +75,8 @@ def dense_group(mesh):
 
 def _spec(mesh, kind, divisor, name):
     ranks = mesh.ranks(kind)
-    group = None if len(ranks) == mesh.description.world_size else mesh.group(kind)
+    # a group of one rank reduces nothing (and a world-wide one is the default group)
+    group = None if len(ranks) in (1, mesh.description.world_size) else mesh.group(kind)
     return ReductionSpec(group=group, world_size=len(ranks), rank=ranks.index(mesh.rank), divisor=divisor, name=name)
 
 

@@ -209,16 +209,33 @@ class MeshDescription:
 
 
 # ------------------------------------------------------------------ the built mesh
+_WORLD = object()  # stands for the default (world) group in a mesh's table of groups
+
+
+class _Single:
+    """A group of this rank alone, created when first asked for (only its member takes part in creating it)."""
+
+    __slots__ = ("rank", )
+
+    def __init__(self, rank):
+        self.rank = rank
+
+
 class _Mesh:
     """A description and this rank's groups of every kind (group objects of torch.distributed)."""
 
     def __init__(self, description, rank, groups):
         self.description = description
         self.rank = rank
-        self.groups = groups  # kind -> process group this rank belongs to
+        self.groups = groups  # kind -> process group this rank belongs to (or a _Single not created yet)
 
     def group(self, kind):
-        return self.groups[kind]
+        group = self.groups[kind]
+        if group is _WORLD:  # looked up each time: holding the default group would keep it alive
+            return torch.distributed.group.WORLD
+        if isinstance(group, _Single):
+            group = self.groups[kind] = _new_group((group.rank, ), self.description.world_size)
+        return group
 
     def ranks(self, kind):
         return self.description.ranks_of(kind, self.rank)
@@ -231,16 +248,24 @@ mpu = None  # the mpu given to initialize (upstream keeps it as a module global 
 
 
 def _new_group(ranks, world_size):
-    """The process group of ``ranks``: the world group when they are the world, else one created once."""
+    """The process group of ``ranks``: the world group when they are the world, else one created once.
+
+    A group of one rank is created by that rank alone (``use_local_synchronization``), so it can be
+    made on first use; the others are created by every rank, in the mesh's order.
+    """
     if len(ranks) == world_size:
-        return torch.distributed.group.WORLD
-    default = torch.distributed.distributed_c10d._get_default_group()
-    if _CACHE_OWNER[0] is not default:
+        return _WORLD
+    default = id(torch.distributed.distributed_c10d._get_default_group())
+    if _CACHE_OWNER[0] != default:
         _GROUP_CACHE.clear()
         _CACHE_OWNER[0] = default
     group = _GROUP_CACHE.get(ranks)
     if group is None:
-        group = _GROUP_CACHE[ranks] = dist.new_group(ranks=list(ranks))
+        if len(ranks) == 1:
+            group = torch.distributed.new_group(ranks=list(ranks), use_local_synchronization=True)
+        else:
+            group = dist.new_group(ranks=list(ranks))
+        _GROUP_CACHE[ranks] = group
     return group
 
 
@@ -260,6 +285,10 @@ def build_mesh(description, given=None):
         for ranks in table:
             if not dist.is_initialized():
                 groups[kind] = None
+                continue
+            if len(ranks) == 1 and description.world_size > 1:  # made on first use, by its member alone
+                if rank in ranks:
+                    groups[kind] = _GROUP_CACHE.get(ranks) or _Single(rank)
                 continue
             group = _new_group(ranks, description.world_size)
             if rank in ranks:
@@ -412,6 +441,14 @@ def reset_mesh():
     globals()["mpu"] = None
 
 
+def forget_groups():
+    """Drop every reference to the groups made here (``destroy_process_group`` calls it: a group kept alive
+    keeps its communication threads running)."""
+    reset_mesh()
+    _GROUP_CACHE.clear()
+    _CACHE_OWNER[0] = None
+
+
 def initialize(ep_size=1, mpu=None):
     """Build the mesh with expert groups of ``ep_size`` (upstream's signature; a collective on every rank)."""
     mesh = _MESH
@@ -561,12 +598,12 @@ def _get_expert_broadcast_src_rank(group_name):
 
 def _get_expert_parallel_group_dict():
     mesh = current_mesh()
-    return {name: mesh.groups[f"expert_parallel:{name}"] for name in mesh.description.group_names()}
+    return {name: mesh.group(f"expert_parallel:{name}") for name in mesh.description.group_names()}
 
 
 def _get_expert_data_parallel_group_dict():
     mesh = current_mesh()
-    return {name: mesh.groups[f"expert_data_parallel:{name}"] for name in mesh.description.group_names()}
+    return {name: mesh.group(f"expert_data_parallel:{name}") for name in mesh.description.group_names()}
 
 
 def _get_max_expert_size():

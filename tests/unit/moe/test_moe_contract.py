@@ -217,6 +217,7 @@ def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer):
         if micro == gas - 1:
             got = _engine_grads(engine, model, ep)
         engine.step()
+    norm = float(engine.get_global_grad_norm())  # of the whole gradient: every rank's experts counted once
     engine.destroy()
     want, empty_seen = _reference(world, gas, k, dtype) if dtype_name == "fp32" else _reference_bf16(world, gas, k)
     tol = 1e-5 if dtype_name == "fp32" else 2e-2
@@ -231,6 +232,9 @@ def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer):
         scale = max(float(w.norm()), floor)
         if not err <= tol * scale:
             bad.append(f"{n}: |diff| {err:.3g} vs |ref| {scale:.3g}")
+    ref_norm = float(torch.cat([w.reshape(-1) for w in want.values()]).norm())
+    if not abs(norm - ref_norm) <= (1e-5 if dtype_name == "fp32" else 2e-2) * ref_norm:
+        bad.append(f"global grad norm {norm} vs {ref_norm}")
     assert empty_seen
     return bad
 
