@@ -104,6 +104,9 @@ def is_available():
 
 def destroy_process_group(group=None):
     fallbacks.reset_capabilities()
+    if group is None:  # the mesh's groups go too: a reference kept to one keeps its threads alive
+        from deepspeed.utils import groups
+        groups.forget_groups()
     dist.destroy_process_group(group)
 
 

@@ -33,6 +33,7 @@ with ``load_lr_scheduler_states``; counters (``global_steps``, ``global_samples`
 """
 
 from deepspeed.checkpoint.constants import LATEST_UNIVERSAL_FILE
+from deepspeed.runtime import expert_checkpoint
 from deepspeed.runtime.checkpoint.model_state import check_module, client_state_of, param_names
 from deepspeed.runtime.checkpoint.optimizer_state import import_scaler
 from deepspeed.runtime.checkpoint.reader import resolve_tag
@@ -190,6 +191,7 @@ def load(engine,
     check_stage(engine, "load_checkpoint")
     group = engine.data_parallel_group
     plan = _Load(engine, load_module_strict, load_optimizer_states, load_module_only, custom_load_fn)
+    expert_checkpoint.check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, load_module_strict)
     error = None
     try:
         plan.read(load_dir, tag)
@@ -219,4 +221,5 @@ def load(engine,
         error = exc
     agree(error, None, group)
     plan.apply(load_lr_scheduler_states)
+    expert_checkpoint.load_files(engine, plan.saved.directory, load_module_only, load_optimizer_states)
     return plan.model_path, plan.client_state(load_lr_scheduler_states)

@@ -27,6 +27,7 @@ import os
 import uuid
 
 import deepspeed.comm as dist
+from deepspeed.runtime import expert_checkpoint
 from deepspeed.runtime.checkpoint import model_state, paths
 from deepspeed.runtime.checkpoint.optimizer_state import export_scaler
 from deepspeed.runtime.checkpoint.stage_checkpoint import SaveContext, checkpoint_of
@@ -127,6 +128,7 @@ def _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_par
     os.makedirs(directory, exist_ok=True)
     for name, payload in stage.checkpoint_files(save):
         writer.save(payload, os.path.join(directory, name))
+    expert_checkpoint.write_files(engine, writer, directory)  # experts: upstream's per-expert files
 
 
 def _write_upstream(native_root, save_dir, tag):

@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Checkpoints of expert parameters: upstream's per-expert file layout, and an exact resume.
+
+Different expert-parallel ranks hold different experts under the same parameter names, so the
+model-states file (written by rank 0) cannot hold them. Beside the stage's files, in
+``<save_dir>/<tag>/``:
+
+* ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` for every MoE layer ``L`` (the ``L``-th
+  ``deepspeed.moe.layer.MoE`` or AutoEP block in module order) and every global expert ``E``:
+  that expert's parameters in the model's dtype, keyed by their full names with the local expert
+  index replaced by the global one (``...deepspeed_experts.<E>.<name>``; AutoEP's stacked
+  weights as ``...experts.<name>.<E>``), as upstream lays them out. The first rank of each
+  expert-data-parallel group writes them;
+* ``expp_rank_{R}_mp_rank_00_expert_states.pt`` for every expert-parallel rank ``R``: the fp32
+  values and the optimizer state (every tensor the size of the parameter) of that rank's expert
+  parameters, and the expert-parallel sizes it was saved with.
+
+Loading (after the stage's own load): every rank reads its experts' files and its
+expert-parallel rank's states file and sets the module values, the fp32 masters and the
+optimizer state, so a resume continues exactly. Onto another expert-parallel size, the per-expert
+files still give each rank its new experts: ``load_module_only=True`` (or
+``load_optimizer_states=False``) loads them and refreshes the masters; a full load raises a
+``CheckpointError`` on every rank before anything is changed, because the partitioned optimizer
+files are laid out for the saved expert-parallel size.
+"""
+
+import os
+import re
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.moe.utils import is_moe_param
+from deepspeed.utils import groups
+
+EXPERT_FILE = "layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
+STATES_FILE = "expp_rank_{rank}_mp_rank_00_expert_states.pt"
+
+
+def _layers(module):
+    """``[(layer id, prefix, expert module kind, module)]`` of the model's expert layers, in module order."""
+    from deepspeed.moe.autoep import GroupedExperts
+    from deepspeed.moe.experts import Experts
+    out = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, (Experts, GroupedExperts)):
+            out.append((len(out), name, sub))
+    return out
+
+
+def _ep_rank(experts):
+    size = _ep_size(experts)
+    return groups._get_expert_parallel_rank(groups.expert_group_name(size)) if size > 1 else 0
+
+
+def _ep_size(experts):
+    from deepspeed.moe.autoep import GroupedExperts
+    if isinstance(experts, GroupedExperts):
+        return experts.ep_size
+    param = next(experts.parameters())
+    return int(param.group_name[len(groups.EXPERT_GROUP_PREFIX):])
+
+
+def _local_entries(prefix, experts):
+    """``[(global expert, {file key: parameter or (parameter, row)})]`` of this rank's experts of one layer."""
+    from deepspeed.moe.autoep import GroupedExperts
+    out = []
+    if isinstance(experts, GroupedExperts):
+        for local in range(experts.num_local_experts):
+            e = experts.first_expert + local
+            out.append((e, {f"{prefix}.{n}.{e}": (p, local) for n, p in experts.named_parameters(recurse=False)}))
+        return out
+    first = _ep_rank(experts) * experts.num_local_experts
+    for local, expert in enumerate(experts.deepspeed_experts):
+        e = first + local
+        out.append((e, {f"{prefix}.deepspeed_experts.{e}.{n}": (p, None) for n, p in expert.named_parameters()}))
+    return out
+
+
+def _is_writer(experts):
+    """The first rank of this layer's expert-data-parallel group writes its experts' files."""
+    name = groups.expert_group_name(_ep_size(experts))
+    return groups._get_expert_data_parallel_rank(name) == 0 if dist.is_initialized() else True
+
+
+def has_experts(engine):
+    return any(is_moe_param(p) for p in engine.module.parameters())
+
+
+def _state_keys(stage, param):
+    """The optimizer-state keys of ``param`` that hold one value per element (exp_avg, ...)."""
+    probe = []
+    for key in ("exp_avg", "exp_avg_sq", "momentum_buffer", "sum", "max_exp_avg_sq"):
+        try:
+            value = stage.optimizer_state(param, key)
+        except KeyError:
+            value = None
+        if isinstance(value, torch.Tensor) and value.numel() == param.numel():
+            probe.append(key)
+    return probe
+
+
+def write_files(engine, writer, directory):
+    """Write this rank's expert files (see the module docstring; collective: every rank calls it)."""
+    if not has_experts(engine):
+        return
+    stage = engine._stage
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    states = {}
+    files = []
+    layers = _layers(engine.module)
+    for layer, prefix, experts in layers:
+        for e, entries in _local_entries(prefix, experts):
+            values = {
+                key: (param.detach()[row] if row is not None else param.detach()).clone().cpu()
+                for key, (param, row) in entries.items()
+            }
+            if _is_writer(experts):
+                files.append((EXPERT_FILE.format(layer=layer, expert=e), values))
+        if stage is not None:
+            for param in experts.parameters():  # gathers (stages 1, 2) are collectives over the group
+                states[names[id(param)]] = dict(fp32=stage.fp32_param(param).detach().float().clone().cpu(),
+                                                state={
+                                                    k: stage.optimizer_state(param, k).detach().clone().cpu()
+                                                    for k in _state_keys(stage, param)
+                                                })
+    if all(_is_writer(x) for _, _, x in layers):
+        payload = dict(ep_sizes=[_ep_size(x) for _, _, x in layers], params=states)
+        files.append((STATES_FILE.format(rank=_ep_rank(layers[0][2])), payload))
+    for name, payload in files:
+        writer.save(payload, os.path.join(directory, name))
+
+
+def check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, load_module_strict):
+    """Raise (every rank, before the load reads or changes anything) when the checkpoint's expert layout
+    cannot be loaded as asked; nothing when there is nothing to load or no expert."""
+    from deepspeed.runtime.checkpoint.paths import tag_dir
+    from deepspeed.runtime.checkpoint.reader import resolve_tag
+    from deepspeed.runtime.checkpoint.validate import CheckpointError
+    if not has_experts(engine) or not isinstance(load_dir, (str, os.PathLike)) or not os.path.isdir(load_dir):
+        return
+    tag, _ = resolve_tag(load_dir, tag)
+    directory = tag_dir(load_dir, tag) if tag is not None else None
+    if directory is None or not os.path.isdir(directory):
+        return
+    mine = [_ep_size(x) for _, _, x in _layers(engine.module)]
+    found = sorted(f for f in os.listdir(directory) if re.fullmatch(r"expp_rank_\d+_mp_rank_00_expert_states\.pt", f))
+    if not found:
+        raise CheckpointError(f"{directory}: no expert states file (expp_rank_*_mp_rank_00_expert_states.pt); the "
+                              f"checkpoint was not saved by an engine with expert parameters")
+    saved = torch.load(os.path.join(directory, found[0]), map_location="cpu", weights_only=False)["ep_sizes"]
+    if saved == mine:
+        return
+    hint = ("load with load_module_only=True, load_module_strict=False: each rank then reads its experts from the "
+            "per-expert files and the fp32 masters follow")
+    if not load_module_only:
+        raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}, this engine has {mine}; the "
+                              f"optimizer files are laid out for the saved sizes. To change the expert-parallel "
+                              f"size, {hint}")
+    if load_module_strict:
+        raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}, this engine has {mine}: the "
+                              f"model-states file holds another number of local experts; {hint}")
+
+
+@torch.no_grad()
+def load_files(engine, directory, load_module_only, load_optimizer_states):
+    """Set this rank's experts from the checkpoint (see the module docstring); local, no collective.
+
+    Runs after the stage's own load (which gave every rank rank 0's experts).
+    """
+    if not has_experts(engine):
+        return
+    stage = engine._stage
+    layers = _layers(engine.module)
+    for layer, prefix, experts in layers:
+        for e, entries in _local_entries(prefix, experts):
+            values = torch.load(os.path.join(directory, EXPERT_FILE.format(layer=layer, expert=e)),
+                                map_location="cpu",
+                                weights_only=False)
+            for key, (param, row) in entries.items():
+                target = param.data[row] if row is not None else param.data
+                target.copy_(values[key].to(target.dtype))
+    if stage is None:
+        return
+    path = os.path.join(directory, STATES_FILE.format(rank=_ep_rank(layers[0][2])))
+    saved = torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
+    exact = (saved is not None and saved["ep_sizes"] == [_ep_size(x) for _, _, x in layers] and not load_module_only)
+    for name, param in engine.module.named_parameters():
+        if not is_moe_param(param):
+            continue
+        entry = saved["params"].get(name) if exact else None
+        if entry is None:  # another layout, or the module only: the masters follow the module values
+            stage.set_fp32_param(param, param.detach().float())
+            continue
+        stage.set_fp32_param(param, entry["fp32"].to(param.device))
+        if load_optimizer_states:
+            for key, value in entry["state"].items():
+                stage.set_optimizer_state(param, key, value.to(param.device))
