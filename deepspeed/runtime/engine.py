@@ -17,7 +17,8 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops import grad_ops_native
-from deepspeed.runtime import agreement, engine_lifecycle, lr_schedules
+from deepspeed.moe.utils import configure_moe_param_groups
+from deepspeed.runtime import agreement, engine_lifecycle, engine_mesh, lr_schedules
 from deepspeed.runtime.accumulation import AccumulationWindow
 from deepspeed.runtime.audit import AuditSchedule, auditing
 from deepspeed.runtime.backward import ownership, registry
@@ -31,6 +32,7 @@ from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
 from deepspeed.runtime.precision.overflow import report_skipped_step
 from deepspeed.runtime.usage_errors import EngineUsageError, require_scalar_loss
 from deepspeed.runtime.zero.stages import StageConfig, build_stage
+from deepspeed.utils import groups
 from deepspeed.utils.logging import log_dist
 from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
 
@@ -55,25 +57,28 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         super().__init__()
         if model is None:
             raise ValueError("deepspeed.initialize: model is required")
-        if mpu is not None:
-            raise NotImplementedError("model parallelism (mpu) is not supported; see docs/compatibility.md")
         if not dist.is_initialized():
             dist.init_distributed(dist_init_required=dist_init_required)
-        self._config = config_class if config_class is not None else DeepSpeedConfig(config)
+        self._config = config_class if config_class is not None else DeepSpeedConfig(config, mpu=mpu)
         self.config = self._config._param_dict
         cfg = self._config
 
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.dp_world_size = self.world_size
-        self.mp_world_size = 1
         self.local_rank = dist.get_local_rank()
-        self.data_parallel_group = None  # the default group
+        expert_sizes = engine_mesh.check_mesh_inputs(cfg, model, mpu)  # every rank, before any collective
         self.device = torch.device(get_accelerator().device_name(
             self.local_rank)) if get_accelerator()._name != "cpu" else torch.device("cpu")
         # Before any other collective: ranks whose configs or models differ would hang or abort in one.
         agreement.check_ranks_agree(cfg, model, optimizer is not None or cfg.optimizer_name is not None, self.device)
         self._validate_supported(cfg)
+        # The one mesh of this run: every group, and over which one each parameter is reduced.
+        self.mesh = engine_mesh.build_engine_mesh(cfg, model, mpu, self.device, expert_sizes)
+        self.dp_world_size = self.mesh.description.data_parallel_size
+        self.seq_dp_world_size = self.mesh.description.sequence_data_parallel_size
+        self.mp_world_size = self.mesh.description.model_parallel_size
+        self.data_parallel_group = engine_mesh.dense_group(self.mesh)  # None: the default group
+        self._reduction_plan = engine_mesh.reduction_plan(self.mesh)
         grad_ops_native.register(self.device)  # native kernels where selected (DS_NATIVE_GRAD_OPS)
 
         self.global_steps = 0
@@ -138,14 +143,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             model.to(self._dtype)
         self._broadcast_model()
 
-    @torch.no_grad()
     def _broadcast_model(self):
-        """Start every rank from rank 0's parameters and buffers."""
-        if self.world_size == 1:
-            return
-        for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-            if not hasattr(tensor, "ds_id"):  # ZeRO-3 shards differ by rank on purpose
-                dist.broadcast(tensor.data, src=0)
+        """Start every rank from the same parameters and buffers (experts: their expert-data-parallel peers')."""
+        engine_mesh.broadcast_model(self.module, self.mesh)
 
     def _build_optimizer(self, client_optimizer, model_parameters):
         cfg = self._config
@@ -160,6 +160,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if client_optimizer is None:
             if cfg.optimizer_name is None:
                 return None
+            if self.mesh.description.expert_parallel_sizes:  # experts in param groups of their own, as upstream
+                params = configure_moe_param_groups(list(params))
             return build_optimizer(cfg.optimizer_name,
                                    params,
                                    dict(cfg.optimizer_params or {}),
@@ -190,7 +192,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                   self.basic_optimizer,
                                   self.window,
                                   device=self.device,
-                                  group=self.data_parallel_group)
+                                  group=self.data_parallel_group,
+                                  reduction=self._reduction_plan)
         self.optimizer = EngineOptimizer(self.basic_optimizer,
                                          self._stage,
                                          self.loss_scaler,
@@ -224,7 +227,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                    collate_fn=collate_fn,
                                    data_sampler=data_sampler,
                                    num_local_io_workers=num_local_io_workers,
-                                   dp_rank=self.global_rank,
+                                   dp_rank=groups._get_data_parallel_rank(),
                                    dp_world_size=self.dp_world_size)
 
     # ------------------------------------------------------------- properties

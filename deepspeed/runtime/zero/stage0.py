@@ -30,8 +30,8 @@ class Stage0(ZeroStage):
 
     stage = 0
 
-    def __init__(self, module, optimizer, config, clock, *, device, group):
-        super().__init__(config, optimizer, clock, device=device, group=group)
+    def __init__(self, module, optimizer, config, clock, *, device, group, reduction=None):
+        super().__init__(config, optimizer, clock, device=device, group=group, reduction=reduction)
         params = [p for g in trainable_groups(optimizer) for p in g]
         order = {id(p): i for i, p in enumerate(module.parameters())}
         params.sort(key=lambda p: order.get(id(p), len(order)))  # module order: about the reverse of backward's

@@ -46,8 +46,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     stage = 3
 
-    def __init__(self, module, optimizer, config, clock, *, device, group):
-        super().__init__(config, optimizer, clock, device=device, group=group)
+    def __init__(self, module, optimizer, config, clock, *, device, group, reduction=None):
+        super().__init__(config, optimizer, clock, device=device, group=group, reduction=reduction)
         self.module = module
         world, rank = self.world_size, self.rank
         model_dtype = config.model_dtype

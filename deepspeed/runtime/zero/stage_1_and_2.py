@@ -39,8 +39,8 @@ from deepspeed.utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIME
 class PartitionedStage(PartitionedOptimizerState, ZeroStage):
     """Stages 1 and 2 (see the module docstring)."""
 
-    def __init__(self, module, optimizer, config, clock, *, device, group):
-        super().__init__(config, optimizer, clock, device=device, group=group)
+    def __init__(self, module, optimizer, config, clock, *, device, group, reduction=None):
+        super().__init__(config, optimizer, clock, device=device, group=group, reduction=reduction)
         self.stage = config.stage
         groups = trainable_groups(optimizer)
         self.layout = layout = PartitionedLayout(groups, list(module.parameters()), config.bucket_numel,

@@ -29,6 +29,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero import grad_ops, host_math
 from deepspeed.runtime.zero.grad_pipeline import GradPipeline
 from deepspeed.runtime.zero.profiling import ds_range
+from deepspeed.runtime.zero.reduction_spec import ReductionPlan
 
 
 class _Timed:
@@ -63,8 +64,10 @@ class ZeroStage:
     stage = None
     publishes_grads = False  # stage 0 with fp32 parameters: reduced gradients appear as param.grad
 
-    def __init__(self, config, optimizer, clock, *, device, group):
+    def __init__(self, config, optimizer, clock, *, device, group, reduction=None):
         self.config = config
+        # Per parameter: the group its gradient is reduced and partitioned over, and the mean's divisor.
+        self.reduction = reduction if reduction is not None else ReductionPlan.single(group)
         self.optimizer = optimizer
         self.clock = clock
         self.device = torch.device(device)

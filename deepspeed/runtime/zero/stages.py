@@ -90,10 +90,10 @@ def _registry():
     return {0: Stage0, 1: PartitionedStage, 2: PartitionedStage, 3: Stage3}
 
 
-def build_stage(config, module, optimizer, clock, *, device, group):
+def build_stage(config, module, optimizer, clock, *, device, group, reduction=None):
     """The stage object for ``config.stage`` (see the module docstring)."""
     stages = _registry()
     if config.stage not in stages:
         raise NotImplementedError(f"zero_optimization.stage={config.stage} is not available in this release; see "
                                   f"docs/compatibility.md")
-    return stages[config.stage](module, optimizer, config, clock, device=device, group=group)
+    return stages[config.stage](module, optimizer, config, clock, device=device, group=group, reduction=reduction)

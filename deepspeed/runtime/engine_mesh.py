@@ -1,0 +1,115 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine's mesh: checked from the config, the ``mpu`` and the model, built once, and what follows from it.
+
+:func:`check_mesh_inputs` runs on every rank before any collective and raises the same
+error everywhere for a mesh that cannot be laid out (a sequence-parallel or expert-parallel
+size that does not divide the world, an expert layer whose experts do not split over its
+``ep_size``, an ``mpu`` with tensor parallelism). :func:`build_engine_mesh` then creates the
+groups (:mod:`deepspeed.utils.groups`), :func:`reduction_plan` says over which group and with
+which divisor every parameter's gradient is reduced, and :func:`broadcast_model` starts
+every rank from the same weights: dense parameters from the first rank of the
+sequence-data-parallel group, expert parameters from the first rank of their
+expert-data-parallel group (different expert-parallel ranks hold different experts).
+"""
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.moe.utils import expert_group_size, expert_parallel_sizes, is_moe_param
+from deepspeed.runtime.zero.reduction_spec import ReductionPlan, ReductionSpec
+from deepspeed.utils import groups
+
+
+def _mpu_model_parallel_size(mpu):
+    for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size"):
+        fn = getattr(mpu, name, None)
+        if fn is not None:
+            return int(fn())
+    return 1
+
+
+def sequence_parallel_size(config):
+    """The config's ``sequence_parallel_size`` (None when not set)."""
+    value = getattr(config, "sequence_parallel_size", None)
+    return value if value is not None else config._param_dict.get("sequence_parallel_size")
+
+
+def check_mesh_inputs(config, model, mpu):
+    """The expert-parallel sizes of ``model``; raises on every rank, before any collective, for a bad mesh."""
+    if mpu is not None and _mpu_model_parallel_size(mpu) > 1:
+        raise NotImplementedError(f"an mpu with model (tensor) parallel size {_mpu_model_parallel_size(mpu)} is not "
+                                  f"supported: gradient norms and clipping over tensor-parallel shards are not built; "
+                                  f"an mpu is accepted for its data- and sequence-parallel groups (see "
+                                  f"docs/compatibility.md)")
+    for module in model.modules():
+        check = getattr(module, "check_expert_layout", None)
+        if check is not None:
+            check()
+    sizes = expert_parallel_sizes(model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if mpu is None:
+        groups.MeshDescription.standard(world,
+                                        sequence_parallel_size=sequence_parallel_size(config) or 1,
+                                        expert_parallel_sizes=sizes)
+    return sizes
+
+
+def build_engine_mesh(config, model, mpu, device, sizes):
+    """Create the mesh's groups (a collective) and hand them to the model's MoE layers."""
+    mesh = groups.initialize_mesh(sequence_parallel_size=sequence_parallel_size(config),
+                                  expert_parallel_sizes=sizes,
+                                  mpu=mpu,
+                                  device=device)
+    for module in model.modules():
+        setter = getattr(module, "set_deepspeed_parallelism", None)
+        if setter is not None and callable(setter):
+            setter()
+    return mesh
+
+
+def dense_group(mesh):
+    """The group dense gradients are reduced over (None: the default group, when it is the whole world)."""
+    ranks = mesh.ranks("sequence_data_parallel")
+    return None if len(ranks) == mesh.description.world_size else mesh.group("sequence_data_parallel")
+
+
+def _spec(mesh, kind, divisor, name):
+    ranks = mesh.ranks(kind)
+    group = None if len(ranks) == mesh.description.world_size else mesh.group(kind)
+    return ReductionSpec(group=group, world_size=len(ranks), rank=ranks.index(mesh.rank), divisor=divisor, name=name)
+
+
+def reduction_plan(mesh):
+    """Per parameter, the group its gradient is reduced and partitioned over, and the mean's divisor.
+
+    Dense parameters: over the sequence-data-parallel group (every rank that saw different
+    tokens), divided by the data-parallel size; expert parameters of ``ep_size_<ep>``: over
+    their expert-data-parallel group, divided by the same data-parallel size. Either way the
+    optimizer sees the mean over the global batch.
+    """
+    dp = mesh.description.data_parallel_size
+    dense = _spec(mesh, "sequence_data_parallel", dp, "dense")
+    experts = {
+        name: _spec(mesh, f"expert_data_parallel:{name}", dp, name)
+        for name in mesh.description.group_names()
+    }
+    return ReductionPlan(dense, experts)
+
+
+@torch.no_grad()
+def broadcast_model(module, mesh):
+    """Start every rank from the same parameters and buffers (see the module docstring)."""
+    if mesh.description.world_size == 1:
+        return
+    dense_src = groups._get_broadcast_src_rank()
+    group = dense_group(mesh)
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if hasattr(tensor, "ds_id"):  # ZeRO-3 shards differ by rank on purpose
+            continue
+        if is_moe_param(tensor):
+            name = groups.expert_group_name(expert_group_size(tensor))
+            edp = mesh.ranks(f"expert_data_parallel:{name}")
+            if len(edp) > 1:
+                dist.broadcast(tensor.data, src=edp[0], group=mesh.group(f"expert_data_parallel:{name}"))
+        elif len(mesh.ranks("sequence_data_parallel")) > 1:
+            dist.broadcast(tensor.data, src=dense_src, group=group)

@@ -1,0 +1,572 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The mesh: one description of how ranks are laid out, and every process group built from it.
+
+Nothing else in the package creates process groups. :class:`MeshDescription` is a frozen,
+pure description (world size, model-, sequence- and expert-parallel sizes, and the rank
+tables derived from them); :func:`initialize_mesh` builds it once at ``deepspeed.initialize``
+from the config's ``sequence_parallel_size``, an ``mpu`` and the MoE layers' ``ep_size``,
+and creates its groups. Every rank builds the same description and calls
+``torch.distributed.new_group`` for every group of it in the same order, so group creation
+never pairs mismatched collectives.
+
+Rank layout (the standard one, without an ``mpu``)::
+
+    rank = (dp_index * sequence_parallel_size + sp_index) * model_parallel_size + mp_index
+
+* model-parallel groups are contiguous blocks of ``model_parallel_size`` ranks;
+* sequence-parallel groups are contiguous within one model-parallel slot: ``[0, 1], [2, 3]``
+  for sequence-parallel size 2 of world 4;
+* data-parallel groups join the ranks with the same sequence- and model-parallel index
+  (``[0, 2], [1, 3]`` there); the sequence-data-parallel group joins every rank of one
+  model-parallel index (every rank that saw different tokens: the whole world when
+  ``model_parallel_size`` is 1);
+* expert-parallel groups of size ``ep`` are contiguous runs of each sequence-data-parallel
+  group (``[0, 1], [2, 3]`` for ep 2 of world 4) and the expert-data-parallel groups stride
+  across them (``[0, 2], [1, 3]``): the ranks holding the same experts. Each expert group
+  is named ``ep_size_<ep>``, as upstream names it.
+
+With an ``mpu`` the data, model, sequence and sequence-data-parallel groups are the mpu's
+own; their rank tables are gathered once (one small all-gather) so that every rank knows
+every group and builds the expert groups the same way.
+
+The accessors keep upstream's names (``_get_data_parallel_group``,
+``_get_expert_data_parallel_group(name)``, ``_get_sequence_parallel_world_size`` ...).
+Before any mesh is built they describe the default mesh: every rank one data-parallel
+replica, no sequence, model or expert parallelism.
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+
+import deepspeed.comm as dist
+
+EXPERT_GROUP_PREFIX = "ep_size_"
+
+
+def expert_group_name(ep_size):
+    """The name upstream gives the expert groups of expert-parallel size ``ep_size``."""
+    return f"{EXPERT_GROUP_PREFIX}{int(ep_size)}"
+
+
+class MeshError(ValueError):
+    """A mesh that cannot be laid out over the world (raised on every rank before any collective)."""
+
+
+def _ensure_divisibility(numerator, denominator):
+    """Raise :class:`MeshError` unless ``denominator`` divides ``numerator``."""
+    if denominator < 1 or numerator % denominator != 0:
+        raise MeshError(f"{numerator} is not divisible by {denominator}")
+
+
+Table = Tuple[Tuple[int, ...], ...]
+
+
+def _check_table(kind, table, world_size):
+    seen = sorted(r for ranks in table for r in ranks)
+    if seen != list(range(world_size)):
+        raise MeshError(f"the {kind} groups {[list(r) for r in table]} do not cover every rank of the world "
+                        f"({world_size}) exactly once")
+    sizes = {len(ranks) for ranks in table}
+    if len(sizes) != 1:
+        raise MeshError(f"the {kind} groups {[list(r) for r in table]} have different sizes")
+
+
+@dataclass(frozen=True)
+class MeshDescription:
+    """How the ranks are laid out (module docstring). Pure: building one issues no collective.
+
+    ``expert_parallel_sizes`` holds the distinct expert-parallel sizes, sorted. The rank tables
+    list every group of a kind (sorted tuples of global ranks, sorted); the expert tables are
+    derived from ``sequence_data_parallel_ranks``.
+    """
+    world_size: int
+    model_parallel_size: int = 1
+    sequence_parallel_size: int = 1
+    expert_parallel_sizes: Tuple[int, ...] = ()
+    model_parallel_ranks: Table = ()
+    sequence_parallel_ranks: Table = ()
+    data_parallel_ranks: Table = ()
+    sequence_data_parallel_ranks: Table = ()
+    from_mpu: bool = False
+    expert_tables: Dict[str, Tuple[Table, Table]] = field(default_factory=dict, compare=False, repr=False)
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def standard(cls, world_size, *, model_parallel_size=1, sequence_parallel_size=1, expert_parallel_sizes=()):
+        """The standard layout of the module docstring; :class:`MeshError` if the sizes do not fit the world."""
+        world_size, mp, sp = int(world_size), int(model_parallel_size), int(sequence_parallel_size)
+        if world_size < 1 or mp < 1 or sp < 1:
+            raise MeshError(f"mesh sizes must be positive: world {world_size}, model parallel {mp}, "
+                            f"sequence parallel {sp}")
+        if world_size % (mp * sp) != 0:
+            raise MeshError(f"the world size ({world_size}) is not divisible by model parallel size ({mp}) x "
+                            f"sequence_parallel_size ({sp})")
+        dp = world_size // (mp * sp)
+
+        def rank(d, s, m):
+            return (d * sp + s) * mp + m
+
+        mp_table = tuple(tuple(rank(d, s, m) for m in range(mp)) for d in range(dp) for s in range(sp))
+        sp_table = tuple(tuple(rank(d, s, m) for s in range(sp)) for d in range(dp) for m in range(mp))
+        dp_table = tuple(tuple(rank(d, s, m) for d in range(dp)) for s in range(sp) for m in range(mp))
+        spdp_table = tuple(tuple(rank(d, s, m) for d in range(dp) for s in range(sp)) for m in range(mp))
+        return cls.from_tables(world_size, mp_table, sp_table, dp_table, spdp_table, expert_parallel_sizes)
+
+    @classmethod
+    def from_tables(cls, world_size, mp_table, sp_table, dp_table, spdp_table, expert_parallel_sizes=(),
+                    from_mpu=False):
+        """A description from explicit rank tables (an mpu's); checked, expert tables derived."""
+        tables = [tuple(sorted(tuple(sorted(int(r) for r in ranks)) for ranks in table))
+                  for table in (mp_table, sp_table, dp_table, spdp_table)]
+        for kind, table in zip(("model-parallel", "sequence-parallel", "data-parallel", "sequence-data-parallel"),
+                               tables):
+            _check_table(kind, table, world_size)
+        mp, sp, dp, spdp = (len(t[0]) for t in tables)
+        if mp * sp * dp != world_size or sp * dp != spdp:
+            raise MeshError(f"inconsistent mesh: model parallel {mp} x sequence parallel {sp} x data parallel {dp} "
+                            f"must be the world size ({world_size}), sequence x data parallel the "
+                            f"sequence-data-parallel size ({spdp})")
+        sizes = tuple(sorted({int(e) for e in expert_parallel_sizes}))
+        experts = {}
+        for ep in sizes:
+            if ep < 1 or spdp % ep != 0:
+                raise MeshError(f"expert-parallel size ep_size={ep} must divide the number of ranks that see "
+                                f"different tokens ({spdp} = world {world_size} / model parallel {mp})")
+            ep_table = tuple(ranks[i:i + ep] for ranks in tables[3] for i in range(0, spdp, ep))
+            edp_table = tuple(ranks[j::ep] for ranks in tables[3] for j in range(ep))
+            experts[expert_group_name(ep)] = (tuple(sorted(ep_table)), tuple(sorted(edp_table)))
+        return cls(world_size=world_size,
+                   model_parallel_size=mp,
+                   sequence_parallel_size=sp,
+                   expert_parallel_sizes=sizes,
+                   model_parallel_ranks=tables[0],
+                   sequence_parallel_ranks=tables[1],
+                   data_parallel_ranks=tables[2],
+                   sequence_data_parallel_ranks=tables[3],
+                   from_mpu=from_mpu,
+                   expert_tables=experts)
+
+    def with_expert_sizes(self, expert_parallel_sizes):
+        """This mesh with expert groups for ``expert_parallel_sizes`` added."""
+        sizes = set(self.expert_parallel_sizes) | {int(e) for e in expert_parallel_sizes}
+        return MeshDescription.from_tables(self.world_size, self.model_parallel_ranks, self.sequence_parallel_ranks,
+                                           self.data_parallel_ranks, self.sequence_data_parallel_ranks, sizes,
+                                           self.from_mpu)
+
+    # ---------------------------------------------------------- derived
+    @property
+    def data_parallel_size(self):
+        return self.world_size // (self.model_parallel_size * self.sequence_parallel_size)
+
+    @property
+    def sequence_data_parallel_size(self):
+        return self.world_size // self.model_parallel_size
+
+    def group_names(self):
+        return sorted(self.expert_tables, key=lambda name: int(name[len(EXPERT_GROUP_PREFIX):]))
+
+    def tables(self):
+        """``[(kind, table)]`` in the order groups are created (the same on every rank)."""
+        out = [("model_parallel", self.model_parallel_ranks), ("sequence_parallel", self.sequence_parallel_ranks),
+               ("data_parallel", self.data_parallel_ranks),
+               ("sequence_data_parallel", self.sequence_data_parallel_ranks)]
+        for name in self.group_names():
+            ep_table, edp_table = self.expert_tables[name]
+            out.append((f"expert_parallel:{name}", ep_table))
+            out.append((f"expert_data_parallel:{name}", edp_table))
+        return out
+
+    def ranks_of(self, kind, rank):
+        """The group of ``kind`` (a :meth:`tables` kind) that ``rank`` belongs to, as a tuple of global ranks."""
+        for k, table in self.tables():
+            if k == kind:
+                for ranks in table:
+                    if rank in ranks:
+                        return ranks
+        raise KeyError(f"no {kind} group in this mesh")
+
+    def coordinates(self, rank):
+        """``{kind: index of rank inside its group of that kind}`` for every kind of group."""
+        return {kind: self.ranks_of(kind, rank).index(rank) for kind, _ in self.tables()}
+
+    def fingerprint(self):
+        """A JSON-able summary every rank must agree on."""
+        return [self.world_size, self.model_parallel_size, self.sequence_parallel_size,
+                list(self.expert_parallel_sizes)]
+
+
+# ------------------------------------------------------------------ the built mesh
+class _Mesh:
+    """A description and this rank's groups of every kind (group objects of torch.distributed)."""
+
+    def __init__(self, description, rank, groups):
+        self.description = description
+        self.rank = rank
+        self.groups = groups  # kind -> process group this rank belongs to
+
+    def group(self, kind):
+        return self.groups[kind]
+
+    def ranks(self, kind):
+        return self.description.ranks_of(kind, self.rank)
+
+
+_MESH: Optional[_Mesh] = None
+_GROUP_CACHE = {}  # ranks tuple -> process group, valid for one default process group
+_CACHE_OWNER = [None]
+mpu = None  # the mpu given to initialize (upstream keeps it as a module global too)
+
+
+def _new_group(ranks, world_size):
+    """The process group of ``ranks``: the world group when they are the world, else one created once."""
+    if len(ranks) == world_size:
+        return torch.distributed.group.WORLD
+    default = torch.distributed.distributed_c10d._get_default_group()
+    if _CACHE_OWNER[0] is not default:
+        _GROUP_CACHE.clear()
+        _CACHE_OWNER[0] = default
+    group = _GROUP_CACHE.get(ranks)
+    if group is None:
+        group = _GROUP_CACHE[ranks] = dist.new_group(ranks=list(ranks))
+    return group
+
+
+def build_mesh(description, given=None):
+    """Create the groups of ``description`` (a collective: every rank, same description) and make it current.
+
+    ``given`` maps kinds to groups that exist already (an mpu's): they are used, not created.
+    """
+    global _MESH
+    given = given or {}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    groups = {}
+    for kind, table in description.tables():
+        if kind in given:
+            groups[kind] = given[kind]
+            continue
+        for ranks in table:
+            if not dist.is_initialized():
+                groups[kind] = None
+                continue
+            group = _new_group(ranks, description.world_size)
+            if rank in ranks:
+                groups[kind] = group
+    _MESH = _Mesh(description, rank, groups)
+    return _MESH
+
+
+def _ranks_of_group(group):
+    return tuple(sorted(torch.distributed.get_process_group_ranks(group)))
+
+
+def _gather_json(obj, device):
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    world = dist.get_world_size()
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(lengths, length)
+    lengths = lengths.tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[:payload.numel()] = payload.to(device)
+    gathered = torch.empty(world * max(lengths), dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, padded)
+    rows = gathered.cpu().view(world, -1)
+    return [json.loads(bytes(rows[r, :lengths[r]].tolist()).decode()) for r in range(world)]
+
+
+def mpu_groups(mpu_):
+    """``{kind: group}`` for the groups an mpu provides (model, data, sequence, sequence-data parallel)."""
+    found = {}
+    for kind, getter in (("model_parallel", "get_model_parallel_group"),
+                         ("data_parallel", "get_data_parallel_group"),
+                         ("sequence_parallel", "get_sequence_parallel_group"),
+                         ("sequence_data_parallel", "get_sequence_data_parallel_group")):
+        fn = getattr(mpu_, getter, None)
+        if fn is not None:
+            found[kind] = fn()
+    if "data_parallel" not in found and "sequence_data_parallel" not in found:
+        raise MeshError(f"the mpu ({type(mpu_).__name__}) has neither get_data_parallel_group() nor "
+                        f"get_sequence_data_parallel_group()")
+    return found
+
+
+def describe_mpu(mpu_, device, expert_parallel_sizes=()):
+    """The description of an mpu's layout (one small all-gather of its rank tables) and the groups it gives."""
+    found = mpu_groups(mpu_)
+    world = dist.get_world_size()
+    if "sequence_data_parallel" not in found:  # no sequence parallelism: every data-parallel rank sees new tokens
+        found["sequence_data_parallel"] = found["data_parallel"]
+    if "data_parallel" not in found:  # a sequence-parallel mpu (parallel_state_sp): data = sequence-data / sp
+        found["data_parallel"] = None
+    mine = {}
+    for kind in ("model_parallel", "sequence_parallel", "data_parallel", "sequence_data_parallel"):
+        group = found.get(kind)
+        mine[kind] = list(_ranks_of_group(group)) if group is not None else None
+    everyone = _gather_json(mine, device)
+    tables = {}
+    for kind in mine:
+        if any(entry[kind] is None for entry in everyone):
+            tables[kind] = None
+            continue
+        tables[kind] = tuple(sorted({tuple(entry[kind]) for entry in everyone}))
+    if tables["model_parallel"] is None:
+        # Without a model-parallel group: each rank its own, unless the sequence-data groups leave ranks out.
+        spdp = tables["sequence_data_parallel"]
+        mp = world // len(spdp[0])
+        tables["model_parallel"] = tuple(
+            tuple(sorted(ranks[i] for ranks in spdp)) for i in range(len(spdp[0]))) if mp > 1 else tuple(
+                (r, ) for r in range(world))
+    if tables["sequence_parallel"] is None:
+        tables["sequence_parallel"] = tuple((r, ) for r in range(world))
+    if tables["data_parallel"] is None:
+        # Ranks of one sequence-data group with the same position in their sequence-parallel group.
+        sp_of = {r: ranks for ranks in tables["sequence_parallel"] for r in ranks}
+        rows = {}
+        for ranks in tables["sequence_data_parallel"]:
+            for r in ranks:
+                rows.setdefault((ranks, sp_of[r].index(r)), []).append(r)
+        tables["data_parallel"] = tuple(sorted(tuple(sorted(v)) for v in rows.values()))
+    description = MeshDescription.from_tables(world, tables["model_parallel"], tables["sequence_parallel"],
+                                              tables["data_parallel"], tables["sequence_data_parallel"],
+                                              expert_parallel_sizes, from_mpu=True)
+    # The mpu's groups are used as they are; kinds it does not give are created like any other group.
+    return description, {kind: group for kind, group in found.items() if group is not None}
+
+
+def initialize_mesh(*, sequence_parallel_size=None, expert_parallel_sizes=(), mpu=None, device=None):
+    """Build and make current the mesh of this run (a collective: every rank, same arguments).
+
+    ``sequence_parallel_size`` is the config's (None: 1, or the mpu's); ``expert_parallel_sizes``
+    the MoE layers' ``ep_size`` values; ``mpu`` an object with ``get_data_parallel_group()`` /
+    ``get_sequence_parallel_group()`` / ... (its groups are used as they are). Raises
+    :class:`MeshError` on every rank, before any collective, when the sizes cannot be laid out
+    (checked from the world size alone), or when the mpu's sequence-parallel size contradicts
+    the config's. A current mesh with the same description is reused (its groups are not
+    created again).
+    """
+    global _MESH
+    globals()["mpu"] = mpu
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sizes = tuple(int(e) for e in expert_parallel_sizes)
+    if mpu is None:
+        description = MeshDescription.standard(world,
+                                               sequence_parallel_size=sequence_parallel_size or 1,
+                                               expert_parallel_sizes=sizes)
+        if _MESH is not None and _MESH.description == description:
+            return _MESH
+        return build_mesh(description)
+    mpu_sp = int(mpu.get_sequence_parallel_world_size()) if hasattr(mpu, "get_sequence_parallel_world_size") else 1
+    if sequence_parallel_size not in (None, mpu_sp):
+        raise MeshError(f"config key 'sequence_parallel_size' ({sequence_parallel_size}) differs from the mpu's "
+                        f"sequence-parallel world size ({mpu_sp})")
+    for ep in sizes:  # checkable without a collective: the mpu's sizes are local facts
+        spdp = _mpu_sequence_data_parallel_size(mpu)
+        if ep < 1 or spdp % ep != 0:
+            raise MeshError(f"expert-parallel size ep_size={ep} must divide the number of ranks that see different "
+                            f"tokens ({spdp}, from the mpu)")
+    if device is None:
+        device = _default_device()
+    description, given = describe_mpu(mpu, device, sizes)
+    return build_mesh(description, given)
+
+
+def _mpu_sequence_data_parallel_size(mpu_):
+    if hasattr(mpu_, "get_sequence_data_parallel_world_size"):
+        return int(mpu_.get_sequence_data_parallel_world_size())
+    return int(mpu_.get_data_parallel_world_size())
+
+
+def _default_device():
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def current_mesh():
+    """The mesh built by the last :func:`initialize_mesh` (the default mesh of the world if none was built)."""
+    global _MESH
+    if _MESH is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return build_mesh(MeshDescription.standard(world))
+    return _MESH
+
+
+def reset_mesh():
+    """Forget the current mesh (its groups stay cached for a mesh with the same ranks)."""
+    global _MESH
+    _MESH = None
+    globals()["mpu"] = None
+
+
+def initialize(ep_size=1, mpu=None):
+    """Build the mesh with expert groups of ``ep_size`` (upstream's signature; a collective on every rank)."""
+    mesh = _MESH
+    sp = mesh.description.sequence_parallel_size if mesh is not None and mpu is None else None
+    sizes = set(mesh.description.expert_parallel_sizes) if mesh is not None else set()
+    return initialize_mesh(sequence_parallel_size=sp, expert_parallel_sizes=sorted(sizes | {int(ep_size)}), mpu=mpu)
+
+
+def _create_expert_and_data_parallel(expert_parallel_size_, mp_size=None, pp_size=None, mp_mode="tp",
+                                     use_data_before_expert_parallel_=False, folding_spec=None):
+    """Add the expert and expert-data-parallel groups of ``expert_parallel_size_`` to the mesh (collective)."""
+    if (mp_size or 1) > 1 or (pp_size or 1) > 1 or use_data_before_expert_parallel_ or folding_spec is not None:
+        raise NotImplementedError("expert groups over tensor or pipeline parallelism, or with data before expert "
+                                  "parallelism, are not supported; see docs/compatibility.md")
+    mesh = current_mesh()
+    if int(expert_parallel_size_) in mesh.description.expert_parallel_sizes:
+        return mesh
+    description = mesh.description.with_expert_sizes([expert_parallel_size_])
+    given = {k: mesh.groups[k] for k, _ in mesh.description.tables() if k in mesh.groups}
+    return build_mesh(description, given)
+
+
+# ------------------------------------------------------------------ accessors (upstream's names)
+def _group(kind):
+    return current_mesh().group(kind)
+
+
+def _size(kind):
+    return len(current_mesh().ranks(kind))
+
+
+def _index(kind):
+    mesh = current_mesh()
+    return mesh.ranks(kind).index(mesh.rank)
+
+
+def _expert_kind(prefix, group_name):
+    mesh = current_mesh()
+    kind = f"{prefix}:{group_name}"
+    if kind not in mesh.groups:
+        raise KeyError(f"expert parallel group '{group_name}' is not initialized (groups: "
+                       f"{mesh.description.group_names()}); build the engine with the MoE model first")
+    return kind
+
+
+def _get_data_parallel_group():
+    return _group("data_parallel")
+
+
+def _get_data_parallel_world_size():
+    return _size("data_parallel")
+
+
+def _get_data_parallel_rank():
+    return _index("data_parallel")
+
+
+def _get_data_parallel_group_ranks():
+    return list(current_mesh().ranks("data_parallel"))
+
+
+def _get_broadcast_src_rank():
+    """The global rank that dense parameters are broadcast from: the first of this rank's sequence-data group."""
+    return current_mesh().ranks("sequence_data_parallel")[0]
+
+
+def _get_model_parallel_group():
+    return _group("model_parallel")
+
+
+def _get_model_parallel_world_size():
+    return _size("model_parallel")
+
+
+def _get_model_parallel_rank():
+    return _index("model_parallel")
+
+
+def _get_sequence_parallel_group():
+    return _group("sequence_parallel")
+
+
+def _get_sequence_parallel_world_size():
+    return _size("sequence_parallel")
+
+
+def _get_sequence_parallel_rank():
+    return _index("sequence_parallel")
+
+
+def _get_sequence_data_parallel_group():
+    return _group("sequence_data_parallel")
+
+
+def _get_sequence_data_parallel_world_size():
+    return _size("sequence_data_parallel")
+
+
+def _get_sequence_data_parallel_rank():
+    return _index("sequence_data_parallel")
+
+
+def _get_expert_parallel_group(group_name):
+    return _group(_expert_kind("expert_parallel", group_name))
+
+
+def _get_expert_parallel_group_ranks(group_name):
+    return list(current_mesh().ranks(_expert_kind("expert_parallel", group_name)))
+
+
+def _get_expert_parallel_world_size(group_name):
+    return _size(_expert_kind("expert_parallel", group_name))
+
+
+def _get_expert_parallel_rank(group_name):
+    return _index(_expert_kind("expert_parallel", group_name))
+
+
+def _get_expert_parallel_src_rank(group_name):
+    return current_mesh().ranks(_expert_kind("expert_parallel", group_name))[0]
+
+
+def _get_expert_data_parallel_group(group_name):
+    return _group(_expert_kind("expert_data_parallel", group_name))
+
+
+def _get_expert_data_parallel_group_ranks(group_name):
+    return list(current_mesh().ranks(_expert_kind("expert_data_parallel", group_name)))
+
+
+def _get_expert_data_parallel_world_size(group_name):
+    return _size(_expert_kind("expert_data_parallel", group_name))
+
+
+def _get_expert_data_parallel_rank(group_name):
+    return _index(_expert_kind("expert_data_parallel", group_name))
+
+
+def _get_expert_broadcast_src_rank(group_name):
+    """The global rank expert parameters of ``group_name`` are broadcast from: the first of the edp group."""
+    return current_mesh().ranks(_expert_kind("expert_data_parallel", group_name))[0]
+
+
+def _get_expert_parallel_group_dict():
+    mesh = current_mesh()
+    return {name: mesh.groups[f"expert_parallel:{name}"] for name in mesh.description.group_names()}
+
+
+def _get_expert_data_parallel_group_dict():
+    mesh = current_mesh()
+    return {name: mesh.groups[f"expert_data_parallel:{name}"] for name in mesh.description.group_names()}
+
+
+def _get_max_expert_size():
+    """The largest expert-parallel size of the mesh (None without expert groups)."""
+    sizes = current_mesh().description.expert_parallel_sizes
+    return max(sizes) if sizes else None
+
+
+def _get_max_expert_size_name():
+    return expert_group_name(_get_max_expert_size())
+
+
+def _get_max_expert_parallel_group():
+    return _get_expert_parallel_group(_get_max_expert_size_name())
+
+
+def _get_expert_model_parallel_world_size():
+    return 1
