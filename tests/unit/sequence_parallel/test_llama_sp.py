@@ -1,0 +1,35 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Ulysses sequence parallelism end to end: a tiny LlamaForCausalLM (sdpa) at world 2 (sp 2) and world 4
+(sp 2 x dp 2), ZeRO stages 0-3, fp32 and bf16, plain and PEFT LoRA: the loss and every optimizer-visible gradient
+equal the unsharded model's on the same samples (tests/unit/sequence_parallel/llama_cases.py)."""
+
+import pytest
+
+from tests.unit.common import run_distributed
+
+pytest.importorskip("transformers")
+
+# A covering subset: every stage at both worlds, both dtypes, each stage once with bf16.
+CELLS = [(2, 0, False), (2, 1, True), (2, 2, False), (2, 3, True), (4, 0, True), (4, 1, False), (4, 2, True),
+         (4, 3, False)]
+
+
+def _case(stage, bf16, sp, lora=False, tiled_mlp=False):
+    from tests.unit.sequence_parallel.llama_cases import run_case
+    return run_case(stage, bf16, sp, lora=lora, tiled_mlp=tiled_mlp)
+
+
+@pytest.mark.parametrize("world,stage,bf16", CELLS)
+def test_llama_sp_matches_unsharded(world, stage, bf16):
+    run_distributed(_case, world, args=(stage, bf16, 2), timeout=240)
+
+
+@pytest.mark.parametrize("world,stage", [(2, 3), (4, 2)])
+def test_llama_sp_lora_matches_unsharded(world, stage):
+    pytest.importorskip("peft")
+    run_distributed(_case, world, args=(stage, False, 2), kwargs={"lora": True}, timeout=240)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_llama_sp_with_tiled_mlp_matches_unsharded(stage):
+    run_distributed(_case, 2, args=(stage, False, 2), kwargs={"tiled_mlp": True}, timeout=240)
