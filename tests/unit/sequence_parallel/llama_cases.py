@@ -54,7 +54,7 @@ def reference(model, sp, seq, dtype):
     losses = [sample_loss(ref, sample(src, seq)) for src in sources]
     torch.stack(losses).mean().backward()
     grads = {n: p.grad.float().clone() for n, p in ref.named_parameters() if p.grad is not None}
-    return [l.detach().float() for l in losses], grads
+    return [loss.detach().float() for loss in losses], grads
 
 
 def engine_config(stage, bf16, world, sp):

@@ -33,3 +33,24 @@ def test_llama_sp_lora_matches_unsharded(world, stage):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_llama_sp_with_tiled_mlp_matches_unsharded(stage):
     run_distributed(_case, 2, args=(stage, False, 2), kwargs={"tiled_mlp": True}, timeout=240)
+
+
+def _accelerate_case(stage):
+    from tests.unit.sequence_parallel.accelerate_cases import run_accelerate_case
+    run_accelerate_case(stage)
+
+
+@pytest.mark.parametrize("world,stage", [(2, 1), (4, 3)])
+def test_accelerate_parallelism_config_runs_unchanged(world, stage):
+    pytest.importorskip("accelerate")
+    run_distributed(_accelerate_case, world, args=(stage, ), timeout=240)
+
+
+def _trainer_case(stage, tmp_dir):
+    from tests.unit.sequence_parallel.trainer_cases import run_trainer_case
+    run_trainer_case(stage, tmp_dir)
+
+
+def test_trainer_with_sp_size_runs_unchanged(tmp_path):
+    pytest.importorskip("accelerate")
+    run_distributed(_trainer_case, 2, args=(2, str(tmp_path)), timeout=300)
