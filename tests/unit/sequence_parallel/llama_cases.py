@@ -14,10 +14,10 @@ import torch
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 16, 2, 4, 2, 37
 
 
-def tiny_llama(seed=0, kv_heads=KV_HEADS, heads=HEADS):
+def tiny_llama(seed=0, kv_heads=KV_HEADS, heads=HEADS, hidden=HIDDEN):
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(vocab_size=VOCAB,
-                         hidden_size=HIDDEN,
+                         hidden_size=hidden,
                          intermediate_size=24,
                          num_hidden_layers=LAYERS,
                          num_attention_heads=heads,
