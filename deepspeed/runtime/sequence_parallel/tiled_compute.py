@@ -19,6 +19,7 @@ The functions work without DeepSpeed: on a model no engine owns, the delivery is
 ``.grad``.
 """
 
+import contextlib
 import math
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -60,8 +61,30 @@ class _ParamGrads:
         """One accumulation per parameter that received a gradient, inside the running backward."""
         pairs = [(p, g) for p, g in zip(self.params, self.sums) if g is not None]
         self.sums = [None] * len(self.params)
-        if pairs:
+        if not pairs:
+            return
+        with _whole_shapes([p for p, g in pairs if tuple(p.shape) != tuple(g.shape)]):
             torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+
+
+@contextlib.contextmanager
+def _whole_shapes(params: List[Tensor]):
+    """ZeRO-3 parameters released between forward and backward show a zero-element ``.data``; an accumulation
+    into them needs their whole shape, not their values. Inside the context each such parameter carries a
+    zero-stride placeholder of its whole shape (no memory, no gather); its ``.data`` is put back on exit."""
+    saved = []
+    try:
+        for p in params:
+            shape = getattr(p, "ds_shape", None)
+            if shape is None:
+                raise RuntimeError(f"a tiled computation's gradient of shape {tuple(p.shape)} does not match its "
+                                   f"parameter")
+            saved.append((p, p.data))
+            p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(shape)
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
 
 
 def _tile_grads(output, grad_output, tile_input: Tensor, params: List[Tensor]):

@@ -61,8 +61,10 @@ def engine_config(stage, bf16, world, sp):
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
+        # stage 3: every parameter is released between uses (no persistent ones), as for a large model
         "zero_optimization": {
-            "stage": stage
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0
         },
         "bf16": {
             "enabled": bf16
@@ -77,13 +79,24 @@ def engine_config(stage, bf16, world, sp):
     }
 
 
-def sp_loss(engine, shard, sp_group):
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_parallel_loss
+def _tiled_loss_sum(self, x, y):
+    logits = self.lm_head(x).float()
+    return torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), y.view(-1), ignore_index=-100, reduction="sum")
+
+
+def sp_loss(engine, shard, sp_group, tiled_loss=False):
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, sequence_parallel_loss
+    tokens = (shard["shift_labels"] != -100).sum()
+    if tiled_loss:  # the logits in tiles of 3 tokens, the shard's token-mean from the tiles' sums
+        model = engine.module
+        hidden = model.model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).last_hidden_state
+        total = TiledFusedLogitsLoss.apply(_tiled_loss_sum, model, hidden, shard["shift_labels"], None, 2,
+                                           [model.lm_head.weight], "sum")
+        return sequence_parallel_loss(total / tokens, tokens, sp_group)
     out = engine(input_ids=shard["input_ids"],
                  position_ids=shard["position_ids"],
                  labels=shard["shift_labels"],
                  shift_labels=shard["shift_labels"])
-    tokens = (shard["shift_labels"] != -100).sum()
     return sequence_parallel_loss(out.loss, tokens, sp_group)
 
 
@@ -105,7 +118,7 @@ def assert_grads(engine_model, ref_grads, bf16, names=None):
     assert seen == len(ref_grads), f"compared {seen} gradients, the reference has {len(ref_grads)}"
 
 
-def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False):
+def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False, tiled_loss=False):
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
     rank = torch.distributed.get_rank()
@@ -136,7 +149,7 @@ def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False):
         loader = UlyssesSPDataLoaderAdapter([sample(rank, seq)], mpu.get_sequence_parallel_rank(), group, sp,
                                             torch.device("cpu"))
         shard = next(loader)  # the group's first sample, this rank's shard
-        loss = sp_loss(engine, shard, group)
+        loss = sp_loss(engine, shard, group, tiled_loss)
         tol = dict(atol=1e-2, rtol=1e-2) if bf16 else dict(atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(loss.float(), ref_losses[rank // sp], **tol)
         engine.backward(loss)

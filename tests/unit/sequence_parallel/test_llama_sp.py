@@ -14,9 +14,9 @@ CELLS = [(2, 0, False), (2, 1, True), (2, 2, False), (2, 3, True), (4, 0, True),
          (4, 3, False)]
 
 
-def _case(stage, bf16, sp, lora=False, tiled_mlp=False):
+def _case(stage, bf16, sp, lora=False, tiled_mlp=False, tiled_loss=False):
     from tests.unit.sequence_parallel.llama_cases import run_case
-    return run_case(stage, bf16, sp, lora=lora, tiled_mlp=tiled_mlp)
+    return run_case(stage, bf16, sp, lora=lora, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss)
 
 
 @pytest.mark.parametrize("world,stage,bf16", CELLS)
@@ -30,9 +30,9 @@ def test_llama_sp_lora_matches_unsharded(world, stage):
     run_distributed(_case, world, args=(stage, False, 2), kwargs={"lora": True}, timeout=240)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_llama_sp_with_tiled_mlp_matches_unsharded(stage):
-    run_distributed(_case, 2, args=(stage, False, 2), kwargs={"tiled_mlp": True}, timeout=240)
+@pytest.mark.parametrize("world,stage", [(2, 0), (2, 3), (4, 3)])
+def test_llama_sp_with_tiled_mlp_and_logits_loss_matches_unsharded(world, stage):
+    run_distributed(_case, world, args=(stage, False, 2), kwargs={"tiled_mlp": True, "tiled_loss": True}, timeout=240)
 
 
 def _accelerate_case(stage):
