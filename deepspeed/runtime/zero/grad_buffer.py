@@ -40,16 +40,21 @@ class ParamSlot:
 class FlatLayout:
     """Offsets of parameters in one flat buffer, and its buckets."""
 
-    def __init__(self, params, bucket_numel):
+    def __init__(self, params, bucket_numel, key=None):
+        """``key(param)``, when given, keeps parameters with different keys in different buckets."""
         self.params = list(reversed(list(params)))
         self.slots = {}
         self.buckets = []
         bucket_numel = max(int(bucket_numel), 1)
         offset = 0
         current = None
+        current_key = None
         for index, param in enumerate(self.params):
             numel = param.numel()
-            if current is None or (current.numel > 0 and current.numel + numel > bucket_numel):
+            param_key = key(param) if key is not None else None
+            if (current is None or (current.numel > 0 and current.numel + numel > bucket_numel)
+                    or param_key is not current_key):
+                current_key = param_key
                 current = GradBucket(index=len(self.buckets), start=offset, end=offset)
                 self.buckets.append(current)
             self.slots[param] = ParamSlot(index=index,

@@ -97,6 +97,8 @@ class GradBucket:
     staging: Optional[torch.Tensor] = None  # per-bucket staging, for geometries that allocate it on demand
     held: bool = False  # completes only on release_hold (or at the epilogue), never on its contributions alone
     hold_serial: int = -1  # the backward serial whose hold was released
+    spec: Optional[object] = None  # its ReductionSpec: the group it is reduced over, the mean's divisor
+    scale: float = 1.0  # what every contribution is multiplied by beside the session factor (the mean's 1/divisor)
 
     @property
     def expected(self):
@@ -117,8 +119,9 @@ class GradPipeline:
     """The gradient sink of one engine (see the module docstring).
 
     ``reduce_now()`` says whether a backward starting now runs a pass; ``gas_fn()`` gives the
-    engine's GAS (the session scales by it). With ``average`` the mean's ``1/W`` is folded into
-    every contribution's factor, so that a reduction is a plain sum. ``on_bucket_complete(bucket)`` runs when a bucket
+    engine's GAS (the session scales by it). With ``average`` the mean's ``1/divisor`` of each
+    bucket's :class:`~deepspeed.runtime.zero.reduction_spec.ReductionSpec` (``1/W`` for a plain
+    data-parallel bucket) is folded into its contributions' factor, so that a reduction is a plain sum. ``on_bucket_complete(bucket)`` runs when a bucket
     received every contribution of a backward, ``on_backward_end(reduced)`` after each
     backward's epilogue (``reduced``: it ran a pass) or failure.
     """
@@ -142,7 +145,10 @@ class GradPipeline:
         self._reduce_now = reduce_now
         self._gas_fn = gas_fn
         self.requires_loss_scale = requires_loss_scale
-        self._dp_scale = 1.0 / geometry.world_size if average else 1.0
+        for bucket in self.buckets:
+            spec = bucket.spec if bucket.spec is not None else geometry.spec
+            bucket.spec = spec
+            bucket.scale = spec.scale(average)
         self._limit = in_flight_limit
         self._on_bucket_complete = on_bucket_complete
         self._on_backward_end = on_backward_end
@@ -172,7 +178,7 @@ class GradPipeline:
                                      "(two backward calls at once through one engine are not supported)")
         self.phase = Phase.BACKWARD
         self._serial += 1
-        self._factor = factor * self._dp_scale
+        self._factor = factor
         self.backward_count += 1
         for bucket in self.buckets:
             bucket.ready = 0
@@ -307,14 +313,14 @@ class GradPipeline:
         else:
             slots = [slot for slot in bucket.slots if slot in pending]
             grads = [pending[slot] for slot in slots]
-        self.geometry.copy_in(bucket, slots, grads, self._factor)
+        self.geometry.copy_in(bucket, slots, grads, self._factor * bucket.scale)
         pending.clear()
         bucket.pending_numel = 0
         if self._identity:  # on a world of one the copy-in is the whole reduction
             bucket.state = BucketState.FOLDED
 
     def _add_late(self, slot, grad):
-        self.geometry.add_late(self._late, slot, grad, self._factor)
+        self.geometry.add_late(self._late, slot, grad, self._factor * slot.bucket.scale)
         self._late_dirty = True
 
     # ------------------------------------------------------------- reduction

@@ -12,6 +12,12 @@ Each param group has its own *partition space* on each rank: the concatenation o
 the rank's chunks of that group's buckets. It is the shape of the rank's fp32
 master partition, of its optimizer state and of its gradient partition.
 
+Parameters may be reduced over a process group of their own (expert parameters: their
+expert-data-parallel group; ``spec_of`` gives each parameter's ReductionSpec): a bucket then
+holds parameters of one spec only, is padded to a multiple of that group's size and chunked
+over it, and the rank's chunk is the one of its rank in that group. A param group mixing dense
+and expert parameters is fine: its partition concatenates chunks of either kind.
+
 A parameter may straddle chunks (and so ranks); zero-sized parameters take no
 space; padding elements are never read as gradients (they stay zero).
 
@@ -36,6 +42,9 @@ class PartitionBucket:
     part_offset: int  # offset of this rank's chunk in the group's partition space
     chunk: int = 0  # padded / world size: what each rank owns
     params: list = field(default_factory=list)
+    world: int = 1  # the size of the group this bucket is partitioned over
+    rank: int = 0  # this rank's index in that group
+    spec: object = None  # the ReductionSpec of its parameters (None: the layout's world and rank)
 
 
 @dataclass
@@ -48,9 +57,10 @@ class PartitionSlot:
 
 
 class PartitionedLayout:
-    """See the module docstring. ``groups`` is a list of lists of parameters (one per param group)."""
+    """See the module docstring. ``groups`` is a list of lists of parameters (one per param group);
+    ``spec_of(param)`` (optional) the ReductionSpec a parameter is partitioned over."""
 
-    def __init__(self, groups, module_order, bucket_numel, world_size, rank):
+    def __init__(self, groups, module_order, bucket_numel, world_size, rank, spec_of=None):
         self.world_size = world_size
         self.rank = rank
         group_of = {}
@@ -70,14 +80,19 @@ class PartitionedLayout:
         for param in ordered:
             g = group_of[param]
             numel = param.numel()
-            if (current is None or current.group != g or (current.numel > 0 and current.numel + numel > bucket_numel)):
+            spec = spec_of(param) if spec_of is not None else None
+            if (current is None or current.group != g or current.spec is not spec
+                    or (current.numel > 0 and current.numel + numel > bucket_numel)):
                 current = self._close(current)
                 current = PartitionBucket(index=len(self.buckets),
                                           group=g,
                                           start=self._end,
                                           numel=0,
                                           padded=0,
-                                          part_offset=self.group_part_numel[g])
+                                          part_offset=self.group_part_numel[g],
+                                          world=spec.world_size if spec is not None else world_size,
+                                          rank=spec.rank if spec is not None else rank,
+                                          spec=spec)
                 self.buckets.append(current)
             self.slots[param] = PartitionSlot(offset=current.start + current.numel,
                                               numel=numel,
@@ -91,7 +106,7 @@ class PartitionedLayout:
 
     def _close(self, bucket):
         if bucket is not None:
-            world = self.world_size
+            world = bucket.world
             bucket.padded = max(world, -(-bucket.numel // world) * world)
             bucket.chunk = bucket.padded // world
             self.group_part_numel[bucket.group] += bucket.chunk
@@ -108,7 +123,7 @@ class PartitionedLayout:
 
     def bucket_own_chunk_full(self, buffer, bucket):
         """This rank's chunk of ``bucket`` inside a full-space buffer."""
-        return buffer.narrow(0, bucket.start + self.rank * bucket.chunk, bucket.chunk)
+        return buffer.narrow(0, bucket.start + bucket.rank * bucket.chunk, bucket.chunk)
 
     # partition space -------------------------------------------------------
     def bucket_part(self, part_buffer, bucket):
@@ -119,7 +134,7 @@ class PartitionedLayout:
         """Pieces of ``param`` this rank owns: (start in param's flat view, length, offset in group partition)."""
         slot = self.slots[param]
         bucket = self.buckets[slot.bucket]
-        chunk_lo = bucket.start + self.rank * bucket.chunk
+        chunk_lo = bucket.start + bucket.rank * bucket.chunk
         chunk_hi = chunk_lo + bucket.chunk
         lo = max(slot.offset, chunk_lo)
         hi = min(slot.offset + slot.numel, chunk_hi)

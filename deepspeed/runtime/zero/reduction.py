@@ -30,6 +30,12 @@ Three geometries, one per kind of stage:
 * :class:`UnitGeometry` (stage 3): a parameter unit is staged rank-major (row ``r`` holds
   every parameter's shard ``r``) and reduce-scattered into the rank's shards.
 
+Each bucket carries the :class:`~deepspeed.runtime.zero.reduction_spec.ReductionSpec` of its
+parameters (``reduction``, a :class:`~deepspeed.runtime.zero.reduction_spec.ReductionPlan`): a
+bucket holds parameters of one spec only and is reduced (and, stages 1 and 2, partitioned) over
+its spec's group, so that dense and expert parameters go through one pipeline, each over its
+own group. The default plan has one spec, the geometry's ``group``.
+
 Partitions may live on the host (optimizer offload, ``part_device`` given): folding then goes
 through a :class:`~deepspeed.runtime.zero.host_fold.HostFolder` (device-to-host copies on a side
 stream, host adds on a worker thread, lazy zeroing), and :meth:`_Geometry.partitions` settles it
@@ -44,6 +50,7 @@ from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.grad_buffer import FlatLayout
 from deepspeed.runtime.zero.grad_pipeline import GradBucket, GradSlot
 from deepspeed.runtime.zero.host_fold import HostFolder
+from deepspeed.runtime.zero.reduction_spec import ReductionPlan
 from deepspeed.runtime.zero.transfers import DONE, pinned
 from deepspeed.runtime.zero.transport import DEFAULT_TRANSPORT
 
@@ -95,17 +102,29 @@ class _Geometry:
 
     replicated = False
 
-    def __init__(self, *, device, group, comm_dtype, accum_dtype, transport=None, part_device=None, pin_memory=False):
+    def __init__(self,
+                 *,
+                 device,
+                 group,
+                 comm_dtype,
+                 accum_dtype,
+                 transport=None,
+                 part_device=None,
+                 pin_memory=False,
+                 reduction=None):
         self.device = torch.device(device)
         self.group = group
         self.world_size, self.rank = _world(group)
+        self.reduction = reduction if reduction is not None else ReductionPlan.single(group)
+        self.spec = self.reduction.dense
         self.accum_dtype = accum_dtype
         self.comm_dtype = comm_dtype if comm_dtype is not None and comm_dtype != accum_dtype else None
         self.transport = transport or DEFAULT_TRANSPORT
         self.offloaded = part_device is not None
         self.part_device = torch.device(part_device) if part_device is not None else self.device
         self.pin_memory = pin_memory
-        self.identity = self.world_size == 1 and not self.offloaded and self.part_device == self.device
+        self.identity = (all(spec.world_size == 1 for spec in self.reduction.specs()) and not self.offloaded
+                         and self.part_device == self.device)
         # Host partitions: every fold goes through the folder (on a CPU-only machine too, so the logic the
         # GPU runs is the one tests exercise).
         self.folder = HostFolder(self.device) if self.offloaded else None
@@ -132,15 +151,16 @@ class _Geometry:
         if self.folder is not None:
             self.folder.settle()
 
-    def _reduce(self, send, chunk):
-        """Start reducing the flat ``send``; return ``(work, out)`` with ``out`` this rank's ``chunk`` elements."""
-        if self.world_size == 1:
+    def _reduce(self, send, chunk, spec):
+        """Start reducing the flat ``send`` over ``spec``'s group; return ``(work, out)`` with ``out`` this rank's
+        ``chunk`` elements."""
+        if spec.world_size == 1:
             return None, send
         if self._use_reduce_scatter:
             out = torch.empty(chunk, dtype=send.dtype, device=send.device)
-            return self.transport.reduce_scatter(out, send, self.group), out
-        work = self.transport.all_reduce(send, self.group)
-        return work, send.narrow(0, self.rank * chunk, chunk)
+            return self.transport.reduce_scatter(out, send, spec.group), out
+        work = self.transport.all_reduce(send, spec.group)
+        return work, send.narrow(0, spec.rank * chunk, chunk)
 
     def zero_window(self):
         if self.folder is not None:
@@ -161,12 +181,12 @@ class ReplicatedGeometry(_Geometry):
 
     def __init__(self, params, *, bucket_numel, **common):
         super().__init__(**common)
-        self.layout = layout = FlatLayout(params, bucket_numel)
+        self.layout = layout = FlatLayout(params, bucket_numel, key=self.reduction.spec_of)
         self.acc = torch.zeros(layout.numel, dtype=self.accum_dtype, device=self.device)
         self.buckets = []
         self._regions = []
         for spec in layout.buckets:
-            bucket = GradBucket(spec.index)
+            bucket = GradBucket(spec.index, spec=self.reduction.spec_of(spec.params[0]))
             for param in spec.params:
                 slot = layout.slots[param]
                 bucket.slots.append(GradSlot(param, bucket, slot.offset - spec.start, slot.numel, slot.shape))
@@ -179,6 +199,13 @@ class ReplicatedGeometry(_Geometry):
     def grad_view(self, param):
         """The window gradient of ``param`` (reduced once the window is finished), shaped like it."""
         return self._views[param]
+
+    def regions_by_spec(self):
+        """``[(spec, [bucket regions of acc])]``: which part of the window gradient is replicated over which group."""
+        out = {}
+        for bucket, region in zip(self.buckets, self._regions):
+            out.setdefault(id(bucket.spec), (bucket.spec, []))[1].append(region)
+        return list(out.values())
 
     def partitions(self):
         return [self.acc]
@@ -211,7 +238,9 @@ class ReplicatedGeometry(_Geometry):
         else:
             staged = late if late is not None else torch.zeros_like(self._regions[index])
         send = _comm_cast(staged, self.comm_dtype)
-        return Flight(bucket, self.transport.all_reduce(send, self.group), send, staged, own)
+        group_spec = bucket.spec
+        work = self.transport.all_reduce(send, group_spec.group) if group_spec.world_size > 1 else None
+        return Flight(bucket, work, send, staged, own)
 
     def fold(self, flight):
         staged = flight.staged
@@ -250,7 +279,7 @@ class PartitionGeometry(_Geometry):
         self.buckets = []
         self._dest = []
         for spec in layout.buckets:
-            bucket = GradBucket(spec.index)
+            bucket = GradBucket(spec.index, spec=spec.spec)
             for param in spec.params:
                 if param.requires_grad:
                     slot = layout.slots[param]
@@ -319,7 +348,7 @@ class PartitionGeometry(_Geometry):
             staged = torch.zeros(spec.padded, dtype=self.accum_dtype, device=self.device)
         # A per-bucket staging is dropped here: the collective keeps it alive until it is done,
         # so the memory of a whole gradient never accumulates. The persistent one is zeroed after.
-        work, out = self._reduce(_comm_cast(staged, self.comm_dtype), spec.chunk)
+        work, out = self._reduce(_comm_cast(staged, self.comm_dtype), spec.chunk, bucket.spec)
         return Flight(bucket, work, out, reuse, own)
 
     def fold(self, flight):
@@ -435,7 +464,7 @@ class UnitGeometry(_Geometry):
         chunk = self.units[bucket.index].chunk
         if staged is None:
             staged = torch.zeros(self.world_size * chunk, dtype=self.accum_dtype, device=self.device)
-        work, out = self._reduce(_comm_cast(staged, self.comm_dtype), chunk)
+        work, out = self._reduce(_comm_cast(staged, self.comm_dtype), chunk, self.spec)
         return Flight(bucket, work, out, None, own)
 
     def fold(self, flight):

@@ -17,8 +17,11 @@ buffer; the masters are copied back into the model after the step.
 
 import torch
 
+import deepspeed.comm as dist
+
 from deepspeed.runtime.precision.master_params import MasterParams
 from deepspeed.runtime.zero.checkpoint_stage0 import Stage0Checkpoint
+from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import ReplicatedGeometry
 from deepspeed.runtime.zero.stage_base import ZeroStage, fp32_grads, trainable_groups
@@ -49,6 +52,19 @@ class Stage0(ZeroStage):
         if low_precision:
             self.masters = MasterParams(params, geometry.grad_view if fp32_window else None)
             self.masters.swap_into(optimizer.param_groups)
+
+    def global_grad_norm(self):
+        """As every stage's (stage_base); with expert parameters the window gradient is not replicated on every
+        rank: each part is replicated over its own group, so the squares are summed over the world with the
+        weight 1 / (that group's size)."""
+        if self._norm is None and self.world_size > 1 and self.reduction.has_experts(self.params):
+            with ds_range("DS::grad_norm"):
+                sq = torch.zeros((), dtype=torch.float32, device=self.device)
+                for spec, regions in self.geometry.regions_by_spec():
+                    sq = sq + grad_ops.partial_sq_norm(regions, device=self.device) / spec.world_size
+                dist.all_reduce(sq, group=self.group)
+                self._norm = sq.sqrt()
+        return super().global_grad_norm()
 
     def _after_backward(self, reduced):
         if reduced and self.publishes_grads:

@@ -48,6 +48,10 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     def __init__(self, module, optimizer, config, clock, *, device, group, reduction=None):
         super().__init__(config, optimizer, clock, device=device, group=group, reduction=reduction)
+        if self.reduction.has_experts(p for g in optimizer.param_groups for p in g["params"]):
+            raise NotImplementedError("expert parameters (deepspeed.moe, AutoEP) on ZeRO stage 3 are not supported: "
+                                      "stage 3 shards every parameter over all data-parallel ranks; use ZeRO stage "
+                                      "0, 1 or 2 with expert parallelism (see docs/moe.md)")
         self.module = module
         world, rank = self.world_size, self.rank
         model_dtype = config.model_dtype

@@ -44,7 +44,11 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         self.stage = config.stage
         groups = trainable_groups(optimizer)
         self.layout = layout = PartitionedLayout(groups, list(module.parameters()), config.bucket_numel,
-                                                 self.world_size, self.rank)
+                                                 self.world_size, self.rank, self.reduction.spec_of)
+        self.has_experts = self.reduction.has_experts(layout.params)
+        if self.has_experts and (config.offload_optimizer or config.zenflow is not None):
+            raise NotImplementedError("expert parameters (deepspeed.moe) with offload_optimizer or ZenFlow on ZeRO "
+                                      "stages 1-2 are not supported; see docs/compatibility.md")
         dtypes = {p.dtype for p in layout.params}
         if len(dtypes) > 1:
             raise ValueError(f"ZeRO stage {config.stage} needs one dtype for all trainable parameters, found {dtypes}")
@@ -165,15 +169,20 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                 send = layout.bucket_part(self.masters[bucket.group].data, bucket)
                 send = send.to(device=self.device, dtype=self.flat_params.dtype, non_blocking=True)
                 out = layout.bucket_full(self.flat_params, bucket)
-                if layout.world_size == 1:
+                if bucket.world == 1:
                     out.copy_(send)
                 else:
-                    works.append(dist.all_gather_into_tensor(out, send, group=self.group, async_op=True))
+                    works.append(
+                        dist.all_gather_into_tensor(out, send, group=self._bucket_group(bucket), async_op=True))
             for work in works:
                 work.wait()
 
     def checkpoint(self):
         return PartitionedCheckpoint(self)
+
+    def _bucket_group(self, bucket):
+        """The group ``bucket`` is partitioned over (its param group's reduction spec)."""
+        return bucket.spec.group if bucket.spec is not None else self.group
 
     # ------------------------------------------------------------- accessors
     def _gather(self, part_buffer, param):
@@ -182,11 +191,11 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         slot = layout.slots[param]
         bucket = layout.buckets[slot.bucket]
         chunk = layout.bucket_part(part_buffer, bucket).to(self.device, torch.float32)
-        if layout.world_size == 1:
+        if bucket.world == 1:
             full = chunk
         else:
             full = torch.empty(bucket.padded, dtype=torch.float32, device=self.device)
-            dist.all_gather_into_tensor(full, chunk.contiguous(), group=self.group)
+            dist.all_gather_into_tensor(full, chunk.contiguous(), group=self._bucket_group(bucket))
         return full.narrow(0, slot.offset - bucket.start, slot.numel).view(slot.shape)
 
     def _local(self, part_buffer, param):

@@ -108,6 +108,7 @@ class ZeroStage:
         cfg = self.config
         return dict(device=self.device,
                     group=self.group,
+                    reduction=self.reduction,
                     comm_dtype=cfg.comm_dtype,
                     accum_dtype=cfg.accum_dtype,
                     part_device=part_device,
