@@ -20,7 +20,18 @@ from torch import Tensor
 
 import deepspeed.comm as dist
 
-__all__ = ["sequence_parallel_loss", "gather_scalars"]
+__all__ = ["sequence_parallel_loss", "gather_scalars", "gradient_divisor"]
+
+
+def gradient_divisor(data_parallel_size: int, sequence_parallel_size: int) -> int:
+    """What the sum of a parameter's gradients over every rank that saw different tokens is divided by.
+
+    Under this convention each of the ``sp`` ranks of a group backpropagates the group's whole loss, so the
+    group's gradients add up to ``sp`` times the sample's: dividing by ``dp * sp`` leaves the mean over the
+    ``dp`` sample groups, the global batch's mean gradient (``dp * sp`` is also upstream's divisor, so the
+    Transformers Trainer and Accelerate, which aggregate the loss this way, train unchanged).
+    """
+    return int(data_parallel_size) * int(sequence_parallel_size)
 
 
 class _GatherScalars(torch.autograd.Function):
