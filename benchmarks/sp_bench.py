@@ -303,6 +303,8 @@ def main():
     parser.add_argument("--tied", action="store_true", help="tie the input and output embeddings")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test)")
     args = parser.parse_args()
+    if args.impl == "ours" and _REPO_ROOT not in sys.path:
+        sys.path.insert(0, _REPO_ROOT)  # this package, also when run as --impl ours directly
     if args.impl != "both":
         result = search(args, args.impl)
         with open(args.out, "w") as f:
