@@ -253,6 +253,74 @@ def search(args, impl):
     }
 
 
+# ------------------------------------------------------------------------------------------------ memory probe
+def probe_memory(args):
+    """Bytes kept between forward and backward by one MLP and by the loss head, untiled and tiled, at ``--start``
+    tokens of the model's shape, counted on the meta device (shapes only: nothing is allocated, no GPU needed).
+
+    Kept: every tensor autograd saves for backward (saved-tensor hooks, each storage once); for the tiled loss,
+    what it stores for its backward (the input's gradient and the head's weight gradient). The tiled functions'
+    transient peak is one tile's intermediates, reported beside (``tile_bytes``).
+    """
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    from deepspeed.runtime.sequence_parallel.tiled_compute import TiledFusedLogitsLoss, TiledMLP
+    shape = _shape(args)
+    config = LlamaConfig(**shape)
+    seq, hidden, vocab, inner = args.start, shape["hidden_size"], shape["vocab_size"], shape["intermediate_size"]
+    dtype = torch.bfloat16
+
+    def kept(fn):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)] = t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            extra = fn()
+        return sum(seen.values()) + extra
+
+    with torch.device("meta"):
+        mlp = LlamaMLP(config).to(dtype)
+        head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype)
+        x = torch.empty(1, seq, hidden, dtype=dtype, requires_grad=True)
+        y = torch.zeros(1, seq, dtype=torch.long)
+
+    def mlp_fn(module, h):
+        return module.down_proj(module.act_fn(module.gate_proj(h)) * module.up_proj(h))
+
+    def loss_fn(module, h, t):
+        return torch.nn.functional.cross_entropy(module(h).float().view(-1, vocab), t.view(-1), reduction="sum")
+
+    mlp_tiles = max(1, math.ceil(seq / hidden))
+    loss_tiles = max(1, math.ceil(seq / args.logits_tile))
+    rows = {
+        "mlp": kept(lambda: (mlp_fn(mlp, x), 0)[1]),
+        "tiled_mlp": kept(lambda: (TiledMLP.apply(mlp_fn, mlp, x, mlp_tiles, None), 0)[1]),
+        "logits_loss": kept(lambda: (loss_fn(head, x, y), 0)[1]),
+        # the tiled loss saves nothing for backward; its per-tile graphs are gone when forward returns
+        "tiled_logits_loss": _tiled_loss_kept(TiledFusedLogitsLoss, loss_fn, head, x, y, loss_tiles),
+    }
+    tile = {
+        "tiled_mlp": 3 * math.ceil(seq / mlp_tiles) * inner * 2,
+        "tiled_logits_loss": 2 * math.ceil(seq / loss_tiles) * vocab * 4
+    }
+    result = {"seq": seq, "hidden": hidden, "vocab": vocab, "kept_bytes": rows, "tile_bytes": tile}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def _tiled_loss_kept(fn_class, loss_fn, head, x, y, tiles):
+    import torch
+    out = fn_class.apply(loss_fn, head, x, y, None, tiles, [head.weight], "sum")
+    ctx = out.grad_fn
+    stored = [t for t in (getattr(ctx, "x_grad", None), ) if torch.is_tensor(t)]
+    stored += [g for g in ctx.param_grads.sums if g is not None]
+    return sum(t.numel() * t.element_size() for t in stored)
+
+
 # ------------------------------------------------------------------------------------------------ the driver
 def _child(args, impl, compare_at, out):
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
@@ -301,10 +369,19 @@ def main():
     parser.add_argument("--out", default="sp_bench.json")
     parser.add_argument("--tiny", action="store_true", help="a toy model (smoke test)")
     parser.add_argument("--tied", action="store_true", help="tie the input and output embeddings")
+    parser.add_argument("--probe-memory",
+                        action="store_true",
+                        help="bytes kept for backward, tiled and not "
+                        "(meta device; this package's tools)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test)")
     args = parser.parse_args()
     if args.impl == "ours" and _REPO_ROOT not in sys.path:
         sys.path.insert(0, _REPO_ROOT)  # this package, also when run as --impl ours directly
+    if args.probe_memory:
+        result = probe_memory(args)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
     if args.impl != "both":
         result = search(args, args.impl)
         with open(args.out, "w") as f:
