@@ -46,21 +46,23 @@ def sample_loss(model, batch):
     return out.loss
 
 
-def reference(model, sp, seq, dtype):
-    """``(per-sample losses of the replicas, {name: gradient of their mean})``: plain torch, whole samples."""
+def reference(model, sp, seq, dtype, gas=1):
+    """``(per-sample losses, {name: gradient of their mean})``: plain torch, whole samples. The samples are those
+    of the first ``gas`` ranks of every sequence-parallel group (micro-batch ``j`` is group rank ``j``'s sample);
+    losses are listed group-major."""
     world = torch.distributed.get_world_size()
     ref = copy.deepcopy(model).to(dtype)
-    sources = list(range(0, world, sp))  # the first rank of each sequence-parallel group
+    sources = [g + j for g in range(0, world, sp) for j in range(gas)]
     losses = [sample_loss(ref, sample(src, seq)) for src in sources]
     torch.stack(losses).mean().backward()
     grads = {n: p.grad.float().clone() for n, p in ref.named_parameters() if p.grad is not None}
     return [loss.detach().float() for loss in losses], grads
 
 
-def engine_config(stage, bf16, world, sp):
+def engine_config(stage, bf16, world, sp, gas=1):
     return {
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": gas,
         # stage 3: every parameter is released between uses (no persistent ones), as for a large model
         "zero_optimization": {
             "stage": stage,
@@ -118,7 +120,8 @@ def assert_grads(engine_model, ref_grads, bf16, names=None):
     assert seen == len(ref_grads), f"compared {seen} gradients, the reference has {len(ref_grads)}"
 
 
-def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False, tiled_loss=False):
+def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False, tiled_loss=False, gas=1):
+    """One optimizer step of ``gas`` micro-batches (``gas <= sp``: the adapter's micro-batches in turn)."""
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
     rank = torch.distributed.get_rank()
@@ -132,7 +135,7 @@ def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False, tiled_loss=Fal
             model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     if tiled_mlp:
         patch_tiled_mlp(model)
-    ref_losses, ref_grads = reference(model, sp, seq, dtype)
+    ref_losses, ref_grads = reference(model, sp, seq, dtype, gas)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model,
                                                           "sdpa",
                                                           sp,
@@ -142,19 +145,22 @@ def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False, tiled_loss=Fal
     try:
         engine, *_ = deepspeed.initialize(model=model,
                                           model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                          config=engine_config(stage, bf16, world, sp),
+                                          config=engine_config(stage, bf16, world, sp, gas),
                                           mpu=mpu)
         assert engine.dp_world_size == world // sp
         group = mpu.get_sequence_parallel_group()
         loader = UlyssesSPDataLoaderAdapter([sample(rank, seq)], mpu.get_sequence_parallel_rank(), group, sp,
                                             torch.device("cpu"))
-        shard = next(loader)  # the group's first sample, this rank's shard
-        loss = sp_loss(engine, shard, group, tiled_loss)
         tol = dict(atol=1e-2, rtol=1e-2) if bf16 else dict(atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(loss.float(), ref_losses[rank // sp], **tol)
-        engine.backward(loss)
-        assert_grads(engine.module, ref_grads, bf16)
-        engine.step()
+        for micro in range(gas):
+            shard = next(loader)  # group rank `micro`'s sample, this rank's shard
+            loss = sp_loss(engine, shard, group, tiled_loss)
+            torch.testing.assert_close(loss.float(), ref_losses[rank // sp * gas + micro], **tol)
+            engine.backward(loss)
+            if micro == gas - 1:
+                assert engine.is_gradient_accumulation_boundary()
+                assert_grads(engine.module, ref_grads, bf16)
+            engine.step()
         engine.destroy()
     finally:
         UlyssesSPAttentionHF.unregister_from_transformers("sdpa")

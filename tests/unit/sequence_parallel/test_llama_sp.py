@@ -14,14 +14,20 @@ CELLS = [(2, 0, False), (2, 1, True), (2, 2, False), (2, 3, True), (4, 0, True),
          (4, 3, False)]
 
 
-def _case(stage, bf16, sp, lora=False, tiled_mlp=False, tiled_loss=False):
+def _case(stage, bf16, sp, lora=False, tiled_mlp=False, tiled_loss=False, gas=1):
     from tests.unit.sequence_parallel.llama_cases import run_case
-    return run_case(stage, bf16, sp, lora=lora, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss)
+    return run_case(stage, bf16, sp, lora=lora, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, gas=gas)
 
 
 @pytest.mark.parametrize("world,stage,bf16", CELLS)
 def test_llama_sp_matches_unsharded(world, stage, bf16):
     run_distributed(_case, world, args=(stage, bf16, 2), timeout=240)
+
+
+@pytest.mark.parametrize("world,stage", [(2, 1), (4, 2), (4, 3)])
+def test_llama_sp_gradient_accumulation_matches_unsharded(world, stage):
+    # GAS 2 takes both micro-batches of a refill: every sample of every group, each rank's shard of it.
+    run_distributed(_case, world, args=(stage, False, 2), kwargs={"gas": 2}, timeout=240)
 
 
 @pytest.mark.parametrize("world,stage", [(2, 3), (4, 2)])
