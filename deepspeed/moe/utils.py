@@ -127,8 +127,10 @@ def configure_moe_param_groups(model_parameters: List):
         if not isinstance(p, (torch.Tensor, dict)):
             raise TypeError(f"optimizer parameters must be tensors or dicts, got {type(p).__name__}")
     if isinstance(model_parameters[0], torch.Tensor):
-        return split_params_into_different_moe_groups_for_optimizer({"params": model_parameters,
-                                                                     "name": "dense-params"})
+        return split_params_into_different_moe_groups_for_optimizer({
+            "params": model_parameters,
+            "name": "dense-params"
+        })
     if any(is_moe_param_group(g) for g in model_parameters):
         return model_parameters
     return split_params_into_different_moe_groups_for_optimizer(model_parameters)

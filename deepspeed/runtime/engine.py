@@ -17,6 +17,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops import grad_ops_native
+from deepspeed.moe import autoep
 from deepspeed.moe.utils import configure_moe_param_groups
 from deepspeed.runtime import agreement, engine_lifecycle, engine_mesh, lr_schedules
 from deepspeed.runtime.accumulation import AccumulationWindow
@@ -66,7 +67,11 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.local_rank = dist.get_local_rank()
-        expert_sizes = engine_mesh.check_mesh_inputs(cfg, model, mpu)  # every rank, before any collective
+        # Every rank, before any collective: the AutoEP section and the mesh's sizes.
+        autoep_config = autoep.configure_autoep(cfg, model, mpu, self.world_size)
+        expert_sizes = engine_mesh.check_mesh_inputs(cfg, model, mpu)
+        if autoep_config is not None:
+            expert_sizes = sorted(set(expert_sizes) | {autoep_config.autoep_size})
         self.device = torch.device(get_accelerator().device_name(
             self.local_rank)) if get_accelerator()._name != "cpu" else torch.device("cpu")
         # Before any other collective: ranks whose configs or models differ would hang or abort in one.
@@ -79,6 +84,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.mp_world_size = self.mesh.description.model_parallel_size
         self.data_parallel_group = engine_mesh.dense_group(self.mesh)  # None: the default group
         self._reduction_plan = engine_mesh.reduction_plan(self.mesh)
+        if autoep_config is not None:  # the model's sparse blocks get this rank's experts, grouped
+            model_parameters = autoep.install_autoep(autoep_config, model, optimizer, model_parameters)
         grad_ops_native.register(self.device)  # native kernels where selected (DS_NATIVE_GRAD_OPS)
 
         self.global_steps = 0

@@ -92,10 +92,7 @@ def reduction_plan(mesh):
     # Sequence parallelism's loss convention sets the divisor (docs/sequence_parallel.md): dp x sp.
     dp = gradient_divisor(mesh.description.data_parallel_size, mesh.description.sequence_parallel_size)
     dense = _spec(mesh, "sequence_data_parallel", dp, "dense")
-    experts = {
-        name: _spec(mesh, f"expert_data_parallel:{name}", dp, name)
-        for name in mesh.description.group_names()
-    }
+    experts = {name: _spec(mesh, f"expert_data_parallel:{name}", dp, name) for name in mesh.description.group_names()}
     return ReductionPlan(dense, experts)
 
 

@@ -116,11 +116,19 @@ class MeshDescription:
         return cls.from_tables(world_size, mp_table, sp_table, dp_table, spdp_table, expert_parallel_sizes)
 
     @classmethod
-    def from_tables(cls, world_size, mp_table, sp_table, dp_table, spdp_table, expert_parallel_sizes=(),
+    def from_tables(cls,
+                    world_size,
+                    mp_table,
+                    sp_table,
+                    dp_table,
+                    spdp_table,
+                    expert_parallel_sizes=(),
                     from_mpu=False):
         """A description from explicit rank tables (an mpu's); checked, expert tables derived."""
-        tables = [tuple(sorted(tuple(sorted(int(r) for r in ranks)) for ranks in table))
-                  for table in (mp_table, sp_table, dp_table, spdp_table)]
+        tables = [
+            tuple(sorted(tuple(sorted(int(r) for r in ranks)) for ranks in table))
+            for table in (mp_table, sp_table, dp_table, spdp_table)
+        ]
         for kind, table in zip(("model-parallel", "sequence-parallel", "data-parallel", "sequence-data-parallel"),
                                tables):
             _check_table(kind, table, world_size)
@@ -194,8 +202,10 @@ class MeshDescription:
 
     def fingerprint(self):
         """A JSON-able summary every rank must agree on."""
-        return [self.world_size, self.model_parallel_size, self.sequence_parallel_size,
-                list(self.expert_parallel_sizes)]
+        return [
+            self.world_size, self.model_parallel_size, self.sequence_parallel_size,
+            list(self.expert_parallel_sizes)
+        ]
 
 
 # ------------------------------------------------------------------ the built mesh
@@ -280,10 +290,9 @@ def _gather_json(obj, device):
 def mpu_groups(mpu_):
     """``{kind: group}`` for the groups an mpu provides (model, data, sequence, sequence-data parallel)."""
     found = {}
-    for kind, getter in (("model_parallel", "get_model_parallel_group"),
-                         ("data_parallel", "get_data_parallel_group"),
-                         ("sequence_parallel", "get_sequence_parallel_group"),
-                         ("sequence_data_parallel", "get_sequence_data_parallel_group")):
+    for kind, getter in (("model_parallel", "get_model_parallel_group"), ("data_parallel", "get_data_parallel_group"),
+                         ("sequence_parallel", "get_sequence_parallel_group"), ("sequence_data_parallel",
+                                                                                "get_sequence_data_parallel_group")):
         fn = getattr(mpu_, getter, None)
         if fn is not None:
             found[kind] = fn()
@@ -316,9 +325,9 @@ def describe_mpu(mpu_, device, expert_parallel_sizes=()):
         # Without a model-parallel group: each rank its own, unless the sequence-data groups leave ranks out.
         spdp = tables["sequence_data_parallel"]
         mp = world // len(spdp[0])
-        tables["model_parallel"] = tuple(
-            tuple(sorted(ranks[i] for ranks in spdp)) for i in range(len(spdp[0]))) if mp > 1 else tuple(
-                (r, ) for r in range(world))
+        tables["model_parallel"] = tuple(tuple(sorted(ranks[i] for ranks in spdp))
+                                         for i in range(len(spdp[0]))) if mp > 1 else tuple(
+                                             (r, ) for r in range(world))
     if tables["sequence_parallel"] is None:
         tables["sequence_parallel"] = tuple((r, ) for r in range(world))
     if tables["data_parallel"] is None:
@@ -329,9 +338,13 @@ def describe_mpu(mpu_, device, expert_parallel_sizes=()):
             for r in ranks:
                 rows.setdefault((ranks, sp_of[r].index(r)), []).append(r)
         tables["data_parallel"] = tuple(sorted(tuple(sorted(v)) for v in rows.values()))
-    description = MeshDescription.from_tables(world, tables["model_parallel"], tables["sequence_parallel"],
-                                              tables["data_parallel"], tables["sequence_data_parallel"],
-                                              expert_parallel_sizes, from_mpu=True)
+    description = MeshDescription.from_tables(world,
+                                              tables["model_parallel"],
+                                              tables["sequence_parallel"],
+                                              tables["data_parallel"],
+                                              tables["sequence_data_parallel"],
+                                              expert_parallel_sizes,
+                                              from_mpu=True)
     # The mpu's groups are used as they are; kinds it does not give are created like any other group.
     return description, {kind: group for kind, group in found.items() if group is not None}
 
@@ -347,7 +360,6 @@ def initialize_mesh(*, sequence_parallel_size=None, expert_parallel_sizes=(), mp
     the config's. A current mesh with the same description is reused (its groups are not
     created again).
     """
-    global _MESH
     globals()["mpu"] = mpu
     world = dist.get_world_size() if dist.is_initialized() else 1
     sizes = tuple(int(e) for e in expert_parallel_sizes)
@@ -387,7 +399,6 @@ def _default_device():
 
 def current_mesh():
     """The mesh built by the last :func:`initialize_mesh` (the default mesh of the world if none was built)."""
-    global _MESH
     if _MESH is None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         return build_mesh(MeshDescription.standard(world))
@@ -409,8 +420,12 @@ def initialize(ep_size=1, mpu=None):
     return initialize_mesh(sequence_parallel_size=sp, expert_parallel_sizes=sorted(sizes | {int(ep_size)}), mpu=mpu)
 
 
-def _create_expert_and_data_parallel(expert_parallel_size_, mp_size=None, pp_size=None, mp_mode="tp",
-                                     use_data_before_expert_parallel_=False, folding_spec=None):
+def _create_expert_and_data_parallel(expert_parallel_size_,
+                                     mp_size=None,
+                                     pp_size=None,
+                                     mp_mode="tp",
+                                     use_data_before_expert_parallel_=False,
+                                     folding_spec=None):
     """Add the expert and expert-data-parallel groups of ``expert_parallel_size_`` to the mesh (collective)."""
     if (mp_size or 1) > 1 or (pp_size or 1) > 1 or use_data_before_expert_parallel_ or folding_spec is not None:
         raise NotImplementedError("expert groups over tensor or pipeline parallelism, or with data before expert "

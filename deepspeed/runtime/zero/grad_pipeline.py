@@ -121,9 +121,10 @@ class GradPipeline:
     ``reduce_now()`` says whether a backward starting now runs a pass; ``gas_fn()`` gives the
     engine's GAS (the session scales by it). With ``average`` the mean's ``1/divisor`` of each
     bucket's :class:`~deepspeed.runtime.zero.reduction_spec.ReductionSpec` (``1/W`` for a plain
-    data-parallel bucket) is folded into its contributions' factor, so that a reduction is a plain sum. ``on_bucket_complete(bucket)`` runs when a bucket
-    received every contribution of a backward, ``on_backward_end(reduced)`` after each
-    backward's epilogue (``reduced``: it ran a pass) or failure.
+    data-parallel bucket) is folded into its contributions' factor, so that a reduction is a plain
+    sum. ``on_bucket_complete(bucket)`` runs when a bucket received every contribution of a
+    backward, ``on_backward_end(reduced)`` after each backward's epilogue (``reduced``: it ran a
+    pass) or failure.
     """
 
     def __init__(self,

@@ -102,8 +102,8 @@ def _check_groups(sp, ep):
     got = {
         "sp": (groups._get_sequence_parallel_group(), groups._get_sequence_parallel_world_size(),
                groups._get_sequence_parallel_rank()),
-        "dp": (groups._get_data_parallel_group(), groups._get_data_parallel_world_size(),
-               groups._get_data_parallel_rank()),
+        "dp":
+        (groups._get_data_parallel_group(), groups._get_data_parallel_world_size(), groups._get_data_parallel_rank()),
         "spdp": (groups._get_sequence_data_parallel_group(), groups._get_sequence_data_parallel_world_size(),
                  groups._get_sequence_data_parallel_rank()),
         "ep": (groups._get_expert_parallel_group(name), groups._get_expert_parallel_world_size(name),
@@ -128,8 +128,8 @@ def _check_groups(sp, ep):
     return True
 
 
-@pytest.mark.parametrize("world, sp, ep", [(1, 1, 1), (2, 1, 2), (2, 2, 1), (3, 1, 3), (4, 2, 2), (4, 1, 2),
-                                           (4, 4, 4), (4, 2, 4)])
+@pytest.mark.parametrize("world, sp, ep", [(1, 1, 1), (2, 1, 2), (2, 2, 1), (3, 1, 3), (4, 2, 2), (4, 1, 2), (4, 4, 4),
+                                           (4, 2, 4)])
 def test_groups_work(world, sp, ep):
     assert run_distributed(_check_groups, world, args=(sp, ep), timeout=T) == [True] * world
 
@@ -214,8 +214,16 @@ def test_engine_takes_mpu():
 
 def _bad_sp():
     import deepspeed
-    config = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 3,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "sequence_parallel_size": 3,
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.1
+            }
+        }
+    }
     try:
         deepspeed.initialize(model=torch.nn.Linear(2, 2), config=config)
     except Exception as err:  # noqa: BLE001 - the error type and text are the result

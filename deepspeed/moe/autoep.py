@@ -1,0 +1,352 @@
+# SPDX-License-Identifier: Apache-2.0
+"""AutoEP: an unmodified Hugging Face MoE model trains with its experts sharded over expert-parallel ranks.
+
+The config section ``expert_parallel {enabled, autoep_size, preset_model, use_grouped_mm}``
+(upstream's keys) makes ``deepspeed.initialize`` replace, in every sparse MoE block of the model
+(``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``), the ``experts`` module by
+:class:`GroupedExperts`: this rank's ``num_experts / autoep_size`` experts (slices of the
+model's ``gate_up_proj`` / ``down_proj``, marked as expert parameters of ``ep_size_<ep>``).
+The block's router and its ``forward`` are left as they are, so the routing is the model's own,
+bit for bit; the router logits stay visible to ``output_router_logits``.
+
+:class:`GroupedExperts` is dropless: every route ``(token, expert, weight)`` the router chose
+is computed. Routes are sorted by expert; with ``autoep_size > 1`` the tokens travel to the rank
+holding their expert and back through two all-to-alls of variable sizes over the
+expert-parallel group (the counts per expert are exchanged first); each local expert runs on its
+contiguous rows, by one grouped matrix multiply per projection (``torch.nn.functional.grouped_mm``
+on CUDA with ``use_grouped_mm``) or a loop over experts; the token's output is the sum of its
+routes' outputs times their weights, as the model computes it. A rank whose experts receive no
+token takes part in both exchanges with empty chunks and contributes a zero gradient.
+
+Bad input is an error on every rank before any collective: an unknown ``preset_model`` or one
+that does not match the model, a model without sparse MoE blocks, ``num_experts`` not divisible
+by ``autoep_size``, ``autoep_size`` not dividing the world, ZeRO stage 3.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import deepspeed.comm as dist
+from deepspeed.moe.utils import mark_expert_param
+from deepspeed.utils import groups
+
+# preset -> (HF model_type values, sparse block class name, config attribute holding num_experts)
+PRESETS = {
+    "mixtral": (("mixtral", ), "MixtralSparseMoeBlock", "num_local_experts"),
+    "qwen3_moe": (("qwen3_moe", ), "Qwen3MoeSparseMoeBlock", "num_experts"),
+}
+SUPPORTED_KEYS = ("enabled", "autoep_size", "preset_model", "use_grouped_mm", "disable_triton_grouped_mm")
+# upstream keys this release accepts only at their default value (the model's own routing is kept)
+DEFAULT_ONLY = {
+    "expert_tensor_parallel_size": 1,
+    "top_k": "auto",
+    "score_func": "auto",
+    "score_apply": "auto",
+    "combine_impl": "auto",
+    "row_weighting_impl": "auto",
+    "routed_scaling_factor": "auto",
+    "route_norm": None,
+    "route_scale": 1.0,
+    "comm_backend": "comm",
+    "moe_layer_pattern": None,
+    "expert_pattern": None,
+    "router_pattern": None,
+}
+
+
+@dataclass(frozen=True)
+class AutoEPConfig:
+    """The ``expert_parallel`` config section."""
+    enabled: bool = False
+    autoep_size: int = 1
+    preset_model: Optional[str] = None
+    use_grouped_mm: bool = True
+
+    @classmethod
+    def from_section(cls, section):
+        """Parse the section (a dict or None); ValueError / NotImplementedError name the offending key."""
+        if section is None:
+            return cls()
+        if not isinstance(section, dict):
+            raise ValueError(f"config section 'expert_parallel' must be a dict, got {type(section).__name__}")
+        for key, value in section.items():
+            if key in SUPPORTED_KEYS:
+                continue
+            if key in DEFAULT_ONLY:
+                if value != DEFAULT_ONLY[key]:
+                    raise NotImplementedError(f"config key 'expert_parallel.{key}'={value!r} is not supported (only "
+                                              f"{DEFAULT_ONLY[key]!r}); see docs/moe.md")
+                continue
+            raise ValueError(f"unknown config key 'expert_parallel.{key}'; accepted: "
+                             f"{', '.join(SUPPORTED_KEYS + tuple(DEFAULT_ONLY))}")
+        size = section.get("autoep_size", 1)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"config key 'expert_parallel.autoep_size' must be a positive int, got {size!r}")
+        preset = section.get("preset_model")
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"config key 'expert_parallel.preset_model'={preset!r} is not a known preset; known: "
+                             f"{sorted(PRESETS)}")
+        return cls(enabled=bool(section.get("enabled", False)),
+                   autoep_size=size,
+                   preset_model=preset,
+                   use_grouped_mm=bool(section.get("use_grouped_mm", True)))
+
+
+def _model_type(model):
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def _sparse_blocks(model, class_name):
+    return [(name, module) for name, module in model.named_modules() if type(module).__name__ == class_name]
+
+
+def resolve_preset(model, cfg):
+    """The preset name for ``model`` (the configured one, checked, or the one its ``model_type`` names)."""
+    model_type = _model_type(model)
+    if cfg.preset_model is not None:
+        types, block, _ = PRESETS[cfg.preset_model]
+        if model_type not in types or not _sparse_blocks(model, block):
+            raise ValueError(f"expert_parallel.preset_model='{cfg.preset_model}' does not match the model "
+                             f"(model_type {model_type!r}, {type(model).__name__}): it expects model_type in "
+                             f"{list(types)} with {block} modules")
+        return cfg.preset_model
+    for name, (types, block, _) in PRESETS.items():
+        if model_type in types and _sparse_blocks(model, block):
+            return name
+    raise ValueError(f"expert_parallel is enabled but the model (model_type {model_type!r}, {type(model).__name__}) "
+                     f"matches no AutoEP preset; supported: {sorted(PRESETS)}")
+
+
+def check_autoep(model, cfg, world_size, zero_stage, sequence_parallel_size=1):
+    """Every check that needs no collective (module docstring); returns the preset name."""
+    preset = resolve_preset(model, cfg)
+    _, block, experts_attr = PRESETS[preset]
+    num_experts = int(getattr(model.config, experts_attr))
+    ep = cfg.autoep_size
+    if num_experts % ep != 0:
+        raise ValueError(f"expert_parallel.autoep_size={ep} must divide the model's number of experts "
+                         f"({experts_attr}={num_experts})")
+    tokens_ranks = world_size // max(1, int(sequence_parallel_size or 1)) * max(1, int(sequence_parallel_size or 1))
+    if world_size % ep != 0 or tokens_ranks % ep != 0:
+        raise ValueError(f"expert_parallel.autoep_size={ep} must divide the world size ({world_size})")
+    if zero_stage == 3:
+        raise NotImplementedError("expert_parallel (AutoEP) with ZeRO stage 3 is not supported: stage 3 shards every "
+                                  "parameter over all data-parallel ranks; use ZeRO stage 0, 1 or 2 (see docs/moe.md)")
+    return preset
+
+
+def _all_to_all_v(group, tensor, send_counts, recv_counts):
+    """Rows ``tensor[sum(send_counts[:j]) ...]`` go to rank ``j``; returns the rows received (rank order)."""
+    send = tensor.contiguous()
+    if send.dtype in (torch.bfloat16, torch.float16) and torch.distributed.get_backend(group) == "gloo":
+        send = send.float()  # gloo's all-to-all may lack 16-bit types; the round trip is exact
+    out = send.new_empty((sum(recv_counts), ) + tuple(send.shape[1:]))
+    dist.all_to_all_single(out,
+                           send,
+                           output_split_sizes=list(recv_counts),
+                           input_split_sizes=list(send_counts),
+                           group=group)
+    return out.to(tensor.dtype)
+
+
+class _AllToAllV(torch.autograd.Function):
+    """A variable-size all-to-all of rows; backward sends the gradient rows back the way they came."""
+
+    @staticmethod
+    def forward(ctx, group, tensor, send_counts, recv_counts):
+        ctx.group, ctx.send_counts, ctx.recv_counts = group, send_counts, recv_counts
+        return _all_to_all_v(group, tensor, send_counts, recv_counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, _all_to_all_v(ctx.group, grad, ctx.recv_counts, ctx.send_counts), None, None
+
+
+class GroupedExperts(nn.Module):
+    """This rank's experts of one sparse MoE block, computed dropless over the expert-parallel group.
+
+    ``forward(hidden_states [T, d], top_k_index [T, k], top_k_weights [T, k])`` has the signature and
+    the result of the model's own experts module (module docstring).
+    """
+
+    def __init__(self, experts, ep_size, ep_rank, use_grouped_mm=True):
+        super().__init__()
+        num_experts = int(experts.num_experts)
+        self.num_experts = num_experts
+        self.ep_size = int(ep_size)
+        self.ep_rank = int(ep_rank)
+        self.num_local_experts = num_experts // self.ep_size
+        self.first_expert = self.ep_rank * self.num_local_experts
+        self.hidden_dim = experts.hidden_dim
+        self.intermediate_dim = experts.intermediate_dim
+        self.act_fn = experts.act_fn
+        self.use_grouped_mm = use_grouped_mm
+        self.expert_group_name = groups.expert_group_name(self.ep_size)
+        local = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        with torch.no_grad():
+            self.gate_up_proj = nn.Parameter(experts.gate_up_proj[local].detach().clone(),
+                                             requires_grad=experts.gate_up_proj.requires_grad)
+            self.down_proj = nn.Parameter(experts.down_proj[local].detach().clone(),
+                                          requires_grad=experts.down_proj.requires_grad)
+        mark_expert_param(self.gate_up_proj, self.expert_group_name)
+        mark_expert_param(self.down_proj, self.expert_group_name)
+        self.ep_group = None
+
+    def set_deepspeed_parallelism(self):
+        """Take the expert-parallel group from the mesh (the engine calls this once the mesh exists)."""
+        if self.ep_size > 1:
+            self.ep_group = groups._get_expert_parallel_group(self.expert_group_name)
+            if groups._get_expert_parallel_rank(self.expert_group_name) != self.ep_rank:
+                raise RuntimeError(f"AutoEP: this rank holds experts of expert-parallel rank {self.ep_rank} but the "
+                                   f"mesh places it at {groups._get_expert_parallel_rank(self.expert_group_name)}")
+
+    def _grouped(self, x, counts_device):
+        """Local expert ``l`` on its ``counts_device[l]`` contiguous rows of ``x``.
+
+        One grouped matrix multiply per projection on CUDA (no host synchronisation), else a loop
+        over the experts that received rows.
+        """
+        if self.use_grouped_mm and x.is_cuda and hasattr(F, "grouped_mm") and x.dtype == torch.bfloat16:
+            offs = torch.cumsum(counts_device, 0).to(torch.int32)
+            gate_up = F.grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offs)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
+        counts = counts_device.tolist()
+        outs = []
+        start = 0
+        for local, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = x.narrow(0, start, n)
+            gate, up = F.linear(rows, self.gate_up_proj[local]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[local]))
+            start += n
+        if not outs:
+            # No rows for any local expert: still an empty result *through* the experts, so that the
+            # backward reaches the all-to-all below on this rank as it does on its peers.
+            rows = x.narrow(0, 0, 0)
+            gate, up = F.linear(rows, self.gate_up_proj[0]).chunk(2, dim=-1)
+            return F.linear(self.act_fn(gate) * up, self.down_proj[0])
+        return torch.cat(outs, 0)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        T, k = top_k_index.shape
+        flat = top_k_index.reshape(-1).to(torch.int64)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // k
+        rows = hidden_states.index_select(0, token_of)
+        counts_device = torch.bincount(flat, minlength=self.num_experts)
+        if self.ep_size == 1:
+            out_rows = self._grouped(rows, counts_device)
+        else:
+            out_rows = self._exchange_and_compute(rows, counts_device)
+        weights = top_k_weights.reshape(-1).index_select(0, order)
+        weighted = (out_rows * weights.unsqueeze(1)).to(hidden_states.dtype)
+        out = torch.zeros_like(hidden_states)
+        return out.index_add(0, token_of, weighted)
+
+    def _exchange_and_compute(self, rows, counts_device):
+        ep, L = self.ep_size, self.num_local_experts
+        per_expert = counts_device.view(ep, L).contiguous()
+        received = torch.empty_like(per_expert)
+        dist.all_to_all_single(received, per_expert, group=self.ep_group)  # recv[src, l]
+        send_counts = per_expert.sum(1).tolist()
+        recv_table = received.tolist()
+        recv_counts = [sum(r) for r in recv_table]
+        got = _AllToAllV.apply(self.ep_group, rows, send_counts, recv_counts)
+        # rows arrive source-major; the experts need them expert-major
+        starts, at = [], 0
+        for src in range(ep):
+            row = []
+            for local in range(L):
+                row.append(at)
+                at += recv_table[src][local]
+            starts.append(row)
+        perm = [
+            i for local in range(L) for src in range(ep)
+            for i in range(starts[src][local], starts[src][local] + recv_table[src][local])
+        ]
+        perm_t = torch.tensor(perm, dtype=torch.int64, device=rows.device)
+        counts = [sum(recv_table[src][local] for src in range(ep)) for local in range(L)]
+        computed = self._grouped(got.index_select(0, perm_t),
+                                 torch.tensor(counts, dtype=torch.int64, device=rows.device))
+        back = torch.empty_like(perm_t)
+        back[perm_t] = torch.arange(perm_t.numel(), device=rows.device)
+        source_major = computed.index_select(0, back)
+        return _AllToAllV.apply(self.ep_group, source_major, recv_counts, send_counts)
+
+
+def apply_autoep(model, cfg, ep_rank):
+    """Replace the experts of every sparse block of ``model`` by :class:`GroupedExperts` (in place).
+
+    Returns ``{id(old parameter): new parameter}`` for the optimizer's param groups to follow.
+    """
+    preset = resolve_preset(model, cfg)
+    _, block_class, _ = PRESETS[preset]
+    replaced = {}
+    for _, block in _sparse_blocks(model, block_class):
+        old = block.experts
+        new = GroupedExperts(old, cfg.autoep_size, ep_rank, cfg.use_grouped_mm)
+        replaced[id(old.gate_up_proj)] = new.gate_up_proj
+        replaced[id(old.down_proj)] = new.down_proj
+        block.experts = new
+    model._autoep_config = cfg
+    return replaced
+
+
+def remap_params(params, replaced):
+    """``params`` (parameters or param-group dicts) with replaced experts' parameters swapped for the new ones."""
+    if params is None:
+        return None
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [{**g, "params": [replaced.get(id(p), p) for p in g["params"]]} for g in params]
+    return [replaced.get(id(p), p) for p in params]
+
+
+def remap_optimizer(optimizer, replaced):
+    """Point a client optimizer built before ``initialize`` at the replaced experts' parameters."""
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            if id(p) in replaced:
+                if optimizer.state.get(p):
+                    raise ValueError("AutoEP: the client optimizer already holds state for an expert parameter; "
+                                     "build it fresh before deepspeed.initialize")
+                group["params"][i] = replaced[id(p)]
+
+
+def configure_autoep(ds_config, model, mpu, world_size):
+    """The engine's first AutoEP step, before any collective: the parsed section (None when disabled), checked.
+
+    Raises on every rank for a bad section or model (module docstring).
+    """
+    cfg = AutoEPConfig.from_section(ds_config._param_dict.get("expert_parallel"))
+    if not cfg.enabled:
+        return None
+    sp = ds_config._param_dict.get("sequence_parallel_size") or 1
+    if mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
+        sp = int(mpu.get_sequence_parallel_world_size())
+    check_autoep(model, cfg, world_size, ds_config.zero_optimization_stage, sp)
+    return cfg
+
+
+def install_autoep(cfg, model, optimizer, model_parameters):
+    """The engine's second AutoEP step, once the mesh exists: experts replaced and wired to their group.
+
+    Returns ``model_parameters`` with the replaced parameters swapped (a client optimizer is
+    remapped in place).
+    """
+    name = groups.expert_group_name(cfg.autoep_size)
+    ep_rank = groups._get_expert_parallel_rank(name) if cfg.autoep_size > 1 else 0
+    replaced = apply_autoep(model, cfg, ep_rank)
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.set_deepspeed_parallelism()
+    remap_optimizer(optimizer, replaced)
+    return remap_params(model_parameters, replaced)

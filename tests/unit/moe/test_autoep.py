@@ -1,0 +1,290 @@
+# SPDX-License-Identifier: Apache-2.0
+"""AutoEP on tiny random-weight Hugging Face MoE models: losses and gradients equal the unsharded model's.
+
+The reference is the same model, unmodified, in plain torch: every rank runs every rank's
+micro-batches through it and averages the gradients over ranks and micro-steps. The engine runs
+it with ``expert_parallel`` (ep 1 and 2 at world 2, ep 2 and 4 at world 4), ZeRO 0-2, GAS 1 and 2. The
+expert gradients compare slice by slice: this rank's local experts against the same experts of
+the unsharded model. A block whose experts on one rank receive no token in a micro-step is
+checked separately, through a one-block model whose router is steered. Bad inputs raise on every
+rank before any collective.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from tests.unit.common import run_distributed
+
+T = 300
+SEQ = 6
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=32,
+                        hidden_size=16,
+                        intermediate_size=8,
+                        num_hidden_layers=2,
+                        num_attention_heads=2,
+                        num_key_value_heads=1,
+                        num_local_experts=4,
+                        num_experts_per_tok=2,
+                        max_position_embeddings=32,
+                        output_router_logits=True,
+                        router_aux_loss_coef=0.05,
+                        attn_implementation="eager")
+    torch.manual_seed(3)
+    return MixtralForCausalLM(cfg)
+
+
+def _qwen3():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    cfg = Qwen3MoeConfig(vocab_size=32,
+                         hidden_size=16,
+                         intermediate_size=12,
+                         moe_intermediate_size=8,
+                         num_hidden_layers=2,
+                         num_attention_heads=2,
+                         num_key_value_heads=1,
+                         head_dim=8,
+                         num_experts=4,
+                         num_experts_per_tok=2,
+                         max_position_embeddings=32,
+                         decoder_sparse_step=1,
+                         norm_topk_prob=True,
+                         output_router_logits=True,
+                         router_aux_loss_coef=0.05,
+                         attn_implementation="eager")
+    torch.manual_seed(4)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # the HF init leaves the router at zero: give it something to route with
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    return model
+
+
+MODELS = {"mixtral": _mixtral, "qwen3_moe": _qwen3}
+
+
+def _batches(world, gas):
+    g = torch.Generator().manual_seed(11)
+    return [[torch.randint(0, 32, (1, SEQ), generator=g) for _ in range(world)] for _ in range(gas)]
+
+
+def _run(preset, stage, ep, gas):
+    import deepspeed
+    from deepspeed.utils import groups, safe_get_full_grad
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    reference = MODELS[preset]()
+    model = copy.deepcopy(reference)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 500
+        },
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.0
+            }
+        },
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": ep,
+            "preset_model": preset
+        }
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    batches = _batches(world, gas)
+    losses = []
+    got = {}
+    for micro in range(gas):
+        ids = batches[micro][rank]
+        loss = engine(input_ids=ids, labels=ids).loss
+        losses.append(float(loss))
+        engine.backward(loss)
+        if micro == gas - 1:
+            for name, p in model.named_parameters():
+                got[name] = safe_get_full_grad(p)
+        engine.step()
+    first = model.model.layers[0].mlp.experts.first_expert
+    local = model.model.layers[0].mlp.experts.num_local_experts
+    engine.destroy()
+    groups.reset_mesh()
+    # the reference: every rank's data through the unsharded model
+    ref_grads = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+    ref_losses = []
+    for micro in range(gas):
+        for r in range(world):
+            ids = batches[micro][r]
+            reference.zero_grad()
+            loss = reference(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if r == rank:
+                ref_losses.append(float(loss))
+            for n, p in reference.named_parameters():
+                if p.grad is not None:
+                    ref_grads[n] += p.grad / (world * gas)
+    bad = []
+    for micro in range(gas):
+        if abs(losses[micro] - ref_losses[micro]) > 1e-5 * max(1.0, abs(ref_losses[micro])):
+            bad.append(f"loss {micro}: {losses[micro]} vs {ref_losses[micro]}")
+    total = float(torch.cat([g.reshape(-1) for g in ref_grads.values()]).norm())
+    for n, g in got.items():
+        want = ref_grads[n]
+        if n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj"):
+            want = want[first:first + local]
+        err = float((g.float() - want).norm())
+        if not err <= 1e-5 * max(float(want.norm()), 0.05 * total):
+            bad.append(f"{n}: |diff| {err:.3g} |ref| {float(want.norm()):.3g}")
+    return bad
+
+
+CELLS = [("mixtral", 0, 2, 1), ("mixtral", 2, 2, 2), ("qwen3_moe", 1, 2, 2), ("qwen3_moe", 2, 1, 1)]
+
+
+def _run_cells(cells):
+    out = []
+    for cell in cells:
+        bad = _run(*cell)
+        if bad:
+            out.append((cell, bad[:3]))
+    return out
+
+
+def test_autoep_world2():
+    assert run_distributed(_run_cells, 2, args=(CELLS, ), timeout=T) == [[], []]
+
+
+def test_autoep_world4():
+    cells = [("qwen3_moe", 2, 2, 1), ("mixtral", 1, 4, 1)]
+    assert run_distributed(_run_cells, 4, args=(cells, ), timeout=T) == [[]] * 4
+
+
+class _OneBlock(torch.nn.Module):
+    """A Mixtral sparse block alone, router steered by feature 0 (experts 0, 1 for large positive values)."""
+
+    def __init__(self):
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        super().__init__()
+        self.config = MixtralConfig(hidden_size=8, intermediate_size=4, num_local_experts=4, num_experts_per_tok=2)
+        torch.manual_seed(5)
+        self.block = MixtralSparseMoeBlock(self.config)
+        with torch.no_grad():
+            self.block.gate.weight.normal_()
+            self.block.gate.weight[:, 0] = torch.tensor([1.0, 1.0, -1.0, -1.0])
+            self.block.experts.gate_up_proj.normal_(0, 0.5)
+            self.block.experts.down_proj.normal_(0, 0.5)
+
+    def forward(self, x):
+        return self.block(x).square().mean()
+
+
+def _empty_experts(stage):
+    import deepspeed
+    from deepspeed.utils import groups, safe_get_full_grad
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    reference = _OneBlock()
+    model = copy.deepcopy(reference)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {
+            "stage": stage
+        },
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.0
+            }
+        },
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": 2
+        }
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    g = torch.Generator().manual_seed(2)
+    data = [[torch.randn(1, 5, 8, generator=g) for _ in range(world)] for _ in range(2)]
+    for x in data[1]:
+        x[..., 0] = 30.0  # micro-step 1: every token to experts 0 and 1 (ep rank 0)
+    got = None
+    for micro in range(2):
+        engine.backward(engine(data[micro][rank]))
+        if micro == 1:
+            got = {n: safe_get_full_grad(p) for n, p in model.named_parameters()}
+        engine.step()
+    experts = model.block.experts
+    first, local = experts.first_expert, experts.num_local_experts
+    engine.destroy()
+    groups.reset_mesh()
+    ref = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+    for micro in range(2):
+        for r in range(world):
+            reference.zero_grad()
+            if micro == 1:
+                _, _, idx = reference.block.gate(data[micro][r].reshape(-1, 8))
+                assert int(idx.max()) < 2
+            reference(data[micro][r]).backward()
+            for n, p in reference.named_parameters():
+                ref[n] += p.grad / (world * 2)
+    bad = []
+    for n, grad in got.items():
+        want = ref[n][first:first + local] if "experts" in n else ref[n]
+        if not torch.allclose(grad, want, rtol=1e-5, atol=1e-6):
+            bad.append(n)
+    return bad
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_rank_whose_experts_get_no_tokens(stage):
+    assert run_distributed(_empty_experts, 2, args=(stage, ), timeout=T) == [[], []]
+
+
+def _bad(kind):
+    import deepspeed
+    model = _mixtral()
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.1
+            }
+        },
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": 2
+        }
+    }
+    if kind == "preset":
+        config["expert_parallel"]["preset_model"] = "qwen3_moe"
+    elif kind == "ep_world":
+        config["expert_parallel"]["autoep_size"] = 4
+        model.config.num_local_experts = 8
+    elif kind == "num_experts":
+        config["expert_parallel"]["autoep_size"] = 3
+    elif kind == "stage3":
+        config["zero_optimization"] = {"stage": 3}
+    elif kind == "key":
+        config["expert_parallel"]["autoep_sise"] = 2
+    try:
+        deepspeed.initialize(model=model, config=config)
+    except (ValueError, NotImplementedError) as err:
+        return type(err).__name__ + ": " + str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind, match", [("preset", "does not match"), ("ep_world", "divide the world"),
+                                         ("num_experts", "divide the model's number of experts"),
+                                         ("stage3", "ZeRO stage 3"), ("key", "unknown config key")])
+def test_bad_input_errors_on_every_rank(kind, match):
+    results = run_distributed(_bad, 2, args=(kind, ), timeout=T)
+    assert results[0] == results[1] and match in results[0], results
