@@ -120,7 +120,7 @@ def assert_grads(engine_model, ref_grads, bf16, names=None):
     assert seen == len(ref_grads), f"compared {seen} gradients, the reference has {len(ref_grads)}"
 
 
-def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False, tiled_loss=False, gas=1):
+def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False, tiled_loss=False, gas=1, checkpoint_offload=False):
     """One optimizer step of ``gas`` micro-batches (``gas <= sp``: the adapter's micro-batches in turn)."""
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
@@ -136,6 +136,10 @@ def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False, tiled_loss=Fal
     if tiled_mlp:
         patch_tiled_mlp(model)
     ref_losses, ref_grads = reference(model, sp, seq, dtype, gas)
+    if checkpoint_offload:  # after the reference, which runs without checkpointing
+        from deepspeed.runtime.sequence_parallel.activation_offload import enable_checkpoint_offload
+        enable_checkpoint_offload(model)
+        model.train()
     mpu = UlyssesSPAttentionHF.register_with_transformers(model,
                                                           "sdpa",
                                                           sp,

@@ -14,9 +14,9 @@ CELLS = [(2, 0, False), (2, 1, True), (2, 2, False), (2, 3, True), (4, 0, True),
          (4, 3, False)]
 
 
-def _case(stage, bf16, sp, lora=False, tiled_mlp=False, tiled_loss=False, gas=1):
+def _case(stage, bf16, sp, **options):
     from tests.unit.sequence_parallel.llama_cases import run_case
-    return run_case(stage, bf16, sp, lora=lora, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, gas=gas)
+    return run_case(stage, bf16, sp, **options)
 
 
 @pytest.mark.parametrize("world,stage,bf16", CELLS)
@@ -34,6 +34,19 @@ def test_llama_sp_gradient_accumulation_matches_unsharded(world, stage):
 def test_llama_sp_lora_matches_unsharded(world, stage):
     pytest.importorskip("peft")
     run_distributed(_case, world, args=(stage, False, 2), kwargs={"lora": True}, timeout=240)
+
+
+@pytest.mark.parametrize("world,stage,lora", [(2, 3, False), (4, 2, True), (2, 0, True)])
+def test_llama_sp_with_offloaded_checkpoints_matches_unsharded(world, stage, lora):
+    # Every layer recomputed from its input on the host, inside the backward; under LoRA no input needs a grad.
+    run_distributed(_case,
+                    world,
+                    args=(stage, False, 2),
+                    kwargs={
+                        "checkpoint_offload": True,
+                        "lora": lora
+                    },
+                    timeout=240)
 
 
 @pytest.mark.parametrize("world,stage", [(2, 0), (2, 3), (4, 3)])
