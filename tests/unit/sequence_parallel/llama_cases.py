@@ -46,14 +46,19 @@ def sample_loss(model, batch):
     return out.loss
 
 
-def reference(model, sp, seq, dtype, gas=1):
+def length(rank, seq, variable):
+    """Rank ``rank``'s sample length: ``seq``, or ``seq + rank`` for variable lengths."""
+    return seq + rank if variable else seq
+
+
+def reference(model, sp, seq, dtype, gas=1, variable=False):
     """``(per-sample losses, {name: gradient of their mean})``: plain torch, whole samples. The samples are those
     of the first ``gas`` ranks of every sequence-parallel group (micro-batch ``j`` is group rank ``j``'s sample);
     losses are listed group-major."""
     world = torch.distributed.get_world_size()
     ref = copy.deepcopy(model).to(dtype)
     sources = [g + j for g in range(0, world, sp) for j in range(gas)]
-    losses = [sample_loss(ref, sample(src, seq)) for src in sources]
+    losses = [sample_loss(ref, sample(src, length(src, seq, variable))) for src in sources]
     torch.stack(losses).mean().backward()
     grads = {n: p.grad.float().clone() for n, p in ref.named_parameters() if p.grad is not None}
     return [loss.detach().float() for loss in losses], grads
@@ -120,7 +125,16 @@ def assert_grads(engine_model, ref_grads, bf16, names=None):
     assert seen == len(ref_grads), f"compared {seen} gradients, the reference has {len(ref_grads)}"
 
 
-def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False, tiled_loss=False, gas=1, checkpoint_offload=False):
+def run_case(stage,
+             bf16,
+             sp,
+             seq=8,
+             lora=False,
+             tiled_mlp=False,
+             tiled_loss=False,
+             gas=1,
+             checkpoint_offload=False,
+             variable=False):
     """One optimizer step of ``gas`` micro-batches (``gas <= sp``: the adapter's micro-batches in turn)."""
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
@@ -135,17 +149,18 @@ def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False, tiled_loss=Fal
             model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     if tiled_mlp:
         patch_tiled_mlp(model)
-    ref_losses, ref_grads = reference(model, sp, seq, dtype, gas)
+    ref_losses, ref_grads = reference(model, sp, seq, dtype, gas, variable)
     if checkpoint_offload:  # after the reference, which runs without checkpointing
         from deepspeed.runtime.sequence_parallel.activation_offload import enable_checkpoint_offload
         enable_checkpoint_offload(model)
         model.train()
+    # variable: each rank's samples of another length (`seq + rank`), which the adapter pads to the group size
     mpu = UlyssesSPAttentionHF.register_with_transformers(model,
                                                           "sdpa",
                                                           sp,
                                                           micro_batch_size=1,
-                                                          seq_length=seq,
-                                                          seq_length_is_variable=False)
+                                                          seq_length=None if variable else seq,
+                                                          seq_length_is_variable=variable)
     try:
         engine, *_ = deepspeed.initialize(model=model,
                                           model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -153,8 +168,8 @@ def run_case(stage, bf16, sp, seq=8, lora=False, tiled_mlp=False, tiled_loss=Fal
                                           mpu=mpu)
         assert engine.dp_world_size == world // sp
         group = mpu.get_sequence_parallel_group()
-        loader = UlyssesSPDataLoaderAdapter([sample(rank, seq)], mpu.get_sequence_parallel_rank(), group, sp,
-                                            torch.device("cpu"))
+        loader = UlyssesSPDataLoaderAdapter([sample(rank, length(rank, seq, variable))],
+                                            mpu.get_sequence_parallel_rank(), group, sp, torch.device("cpu"))
         tol = dict(atol=1e-2, rtol=1e-2) if bf16 else dict(atol=1e-5, rtol=1e-5)
         for micro in range(gas):
             shard = next(loader)  # group rank `micro`'s sample, this rank's shard

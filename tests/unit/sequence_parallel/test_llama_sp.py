@@ -30,6 +30,12 @@ def test_llama_sp_gradient_accumulation_matches_unsharded(world, stage):
     run_distributed(_case, world, args=(stage, False, 2), kwargs={"gas": 2}, timeout=240)
 
 
+@pytest.mark.parametrize("world,stage", [(2, 2), (4, 3)])
+def test_llama_sp_variable_lengths_match_unsharded(world, stage):
+    # Samples of 7, 8, 9, 10 tokens (by rank), padded to the group size; both micro-batches of a refill.
+    run_distributed(_case, world, args=(stage, False, 2), kwargs={"seq": 7, "variable": True, "gas": 2}, timeout=240)
+
+
 @pytest.mark.parametrize("world,stage", [(2, 3), (4, 2)])
 def test_llama_sp_lora_matches_unsharded(world, stage):
     pytest.importorskip("peft")
