@@ -23,7 +23,7 @@ import sys
 import time
 
 
-def build_model(args, dtype):
+def build_model(args, dtype, device):
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     cfg = Qwen3MoeConfig(vocab_size=args.vocab,
@@ -45,7 +45,7 @@ def build_model(args, dtype):
     if args.hf_experts:
         cfg._experts_implementation = args.hf_experts
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -102,6 +102,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hf_experts", default="grouped_mm", help="HF experts implementation for upstream runs")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29611")
@@ -113,37 +114,44 @@ def main():
     result = {"system": args.system, "deepspeed": deepspeed.__version__, "deepspeed_file": deepspeed.__file__}
     if args.system == "ours":
         args.hf_experts = None
+    cuda = args.device == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
     try:
-        torch.cuda.set_device(0)
-        model = build_model(args, torch.bfloat16)
+        if cuda:
+            torch.cuda.set_device(0)
+        model = build_model(args, torch.bfloat16, args.device)
         if args.system == "upstream_z3_leaf":
             from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
             deepspeed.utils.set_z3_leaf_modules(model, [Qwen3MoeSparseMoeBlock])
         engine, _, _, _ = deepspeed.initialize(model=model,
                                                model_parameters=model.parameters(),
                                                config=ds_config(args))
-        gen = torch.Generator(device="cuda").manual_seed(1)
+        gen = torch.Generator(device=args.device).manual_seed(1)
         times = []
         for step in range(args.warmup + args.steps):
-            if step == args.warmup:
-                torch.cuda.synchronize()
+            if step == args.warmup and cuda:
+                sync()
                 torch.cuda.reset_peak_memory_stats()
-            ids = torch.randint(0, args.vocab, (1, args.seq), device="cuda", generator=gen)
-            torch.cuda.synchronize()
+            ids = torch.randint(0, args.vocab, (1, args.seq), device=args.device, generator=gen)
+            sync()
             start = time.perf_counter()
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
-            torch.cuda.synchronize()
+            sync()
             if step >= args.warmup:
                 times.append(time.perf_counter() - start)
         median = statistics.median(times)
         result.update(ok=True,
                       median_step_s=round(median, 4),
                       tokens_per_s=round(args.seq / median, 1),
-                      peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                      peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                       loss=float(loss),
-                      params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 1))
+                      params_m=round(sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) / 1e6, 1))
     except Exception as err:  # noqa: BLE001 - a system that fails is reported, the others still run
         result.update(ok=False, error=f"{type(err).__name__}: {str(err)[:400]}")
     print("RESULT " + json.dumps(result), flush=True)
