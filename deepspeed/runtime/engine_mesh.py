@@ -16,6 +16,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.moe.utils import expert_group_size, expert_parallel_sizes, is_moe_param
+from deepspeed.runtime.sequence_parallel.loss import gradient_divisor
 from deepspeed.runtime.zero.reduction_spec import ReductionPlan, ReductionSpec
 from deepspeed.utils import groups
 
@@ -84,11 +85,13 @@ def reduction_plan(mesh):
     """Per parameter, the group its gradient is reduced and partitioned over, and the mean's divisor.
 
     Dense parameters: over the sequence-data-parallel group (every rank that saw different
-    tokens), divided by the data-parallel size; expert parameters of ``ep_size_<ep>``: over
-    their expert-data-parallel group, divided by the same data-parallel size. Either way the
-    optimizer sees the mean over the global batch.
+    tokens), divided by the data-parallel size times the sequence-parallel size (each rank of a
+    sequence-parallel group backpropagates its group's whole loss); expert parameters of
+    ``ep_size_<ep>``: over their expert-data-parallel group, divided by the same number. Either way
+    the optimizer sees the mean over the global batch.
     """
-    dp = mesh.description.data_parallel_size
+    # Sequence parallelism's loss convention sets the divisor (docs/sequence_parallel.md): dp x sp.
+    dp = gradient_divisor(mesh.description.data_parallel_size, mesh.description.sequence_parallel_size)
     dense = _spec(mesh, "sequence_data_parallel", dp, "dense")
     experts = {name: _spec(mesh, f"expert_data_parallel:{name}", dp, name) for name in mesh.description.group_names()}
     return ReductionPlan(dense, experts)

@@ -1,0 +1,405 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Long-sequence benchmark with the ALST memory tools: a Llama-3.2-1B-shaped model on one GPU (sp 1).
+
+    python benchmarks/sp_bench.py --impl both --upstream-path /tmp/upstream --out sp_bench.json
+
+A random-weight ``LlamaForCausalLM`` with Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 query / 8 key-value
+heads, vocabulary 128256; sdpa attention), its embeddings untied (``--tied`` ties them as the released model does:
+upstream 0.19.8's ZeRO-3 then fails an assertion in its gradient bucket when ``TiledFusedLogitsLoss``'s
+forward-time gradient of the tied weight meets the embedding's), bf16, ZeRO-3, AdamW, micro-batch 1. The ALST tools are
+on for each implementation with its own code: ``TiledMLP`` on every MLP (tiles of ``hidden`` tokens),
+``TiledFusedLogitsLoss`` for the loss (tiles of ``--logits-tile`` tokens, so the ``[tokens, vocab]`` logits never
+exist at once) and checkpointed decoder layers whose inputs wait on the host (this package:
+``enable_checkpoint_offload``; upstream, which has none of its own in the package: Transformers'
+``gradient_checkpointing_enable(offload=True)``).
+
+Search, per implementation, in one process: a training step (forward, backward, optimizer step) at ``--start``
+tokens, doubling until one runs out of memory, then bisecting between the last success and the first failure down
+to ``--resolution`` tokens. A step that runs out of memory is followed by a fresh engine. ``--time-budget`` seconds
+bound each search (a step's time grows with the square of its length: a search stopped by time reports its longest
+success as a lower bound, ``capped``). Then the tokens/s of this implementation at ``--compare-at`` tokens (default:
+the upstream run's longest length when ``--impl both`` ran upstream first; else the longest success), from one
+step after a warm-up step. Every step's length, time, peak memory (``max_memory_allocated``) and outcome is
+recorded.
+
+``--impl both`` runs upstream first (its longest length sets the comparison length), then this package, each in
+its own process (``--upstream-path`` holds upstream's installed package; this package comes from this repository),
+and writes one JSON file with both.
+"""
+
+import argparse
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LLAMA_3_2_1B = dict(vocab_size=128256,
+                    hidden_size=2048,
+                    intermediate_size=8192,
+                    num_hidden_layers=16,
+                    num_attention_heads=32,
+                    num_key_value_heads=8,
+                    head_dim=64,
+                    rope_theta=500000.0,
+                    rms_norm_eps=1e-5,
+                    tie_word_embeddings=False)
+# --tiny: the same code path on a toy model (a CPU smoke test of the benchmark itself).
+TINY = dict(LLAMA_3_2_1B,
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16)
+
+
+def _shape(args):
+    return dict(TINY if args.tiny else LLAMA_3_2_1B, tie_word_embeddings=bool(args.tied))
+
+
+def _device(args):
+    import torch
+    return torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+
+
+def _sync(device):
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------------ one process
+def _build(args, impl):
+    import torch
+    import deepspeed
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
+    ulysses = __import__("deepspeed.runtime.sequence_parallel.ulysses_sp", fromlist=["TiledMLP"])
+
+    def tiled_mlp_forward(self, x):
+        shards = max(1, math.ceil(x.shape[-2] / self.config.hidden_size))
+
+        def mlp(module, h):
+            return module.down_proj(module.act_fn(module.gate_proj(h)) * module.up_proj(h))
+
+        params = [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
+        return ulysses.TiledMLP.apply(mlp, self, x, shards, params)
+
+    modeling_llama.LlamaMLP.forward = tiled_mlp_forward
+    config = LlamaConfig(**_shape(args),
+                         max_position_embeddings=max(args.start * 256, 1 << 22),
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with _device(args):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if impl == "ours":
+        from deepspeed.runtime.sequence_parallel.activation_offload import enable_checkpoint_offload
+        enable_checkpoint_offload(model)
+    else:
+        # (no pinned memory without a GPU: the CPU smoke test checkpoints without offload)
+        model.gradient_checkpointing_enable(offload=_device(args).type == "cuda")
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "bf16": {
+            "enabled": True
+        },
+        "zero_optimization": {
+            "stage": 3
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-5,
+                "torch_adam": True
+            }
+        },
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1 << 30,
+    }
+    if impl == "ours":
+        ds_config["optimizer"]["params"].pop("torch_adam")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine, model, ulysses
+
+
+def _step(engine, model, ulysses, seq, logits_tile, vocab):
+    import torch
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seq)
+    ids = torch.randint(0, vocab, (1, seq), device=device, generator=gen)
+    position_ids = torch.arange(seq, device=device).unsqueeze(0)
+    shift_labels = torch.full_like(ids, -100)
+    shift_labels[:, :-1] = ids[:, 1:]
+    hidden = model.model(input_ids=ids, position_ids=position_ids).last_hidden_state
+
+    def loss_fn(self, x, y):
+        logits = self.lm_head(x).float()
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
+                                                 y.view(-1),
+                                                 ignore_index=-100,
+                                                 reduction="sum")
+
+    shards = max(1, math.ceil(seq / logits_tile))
+    loss_sum = ulysses.TiledFusedLogitsLoss.apply(loss_fn, model, hidden, shift_labels, None, shards,
+                                                  [model.lm_head.weight], "sum")
+    loss = loss_sum / (seq - 1)
+    engine.backward(loss)
+    engine.step()
+    return float(loss)
+
+
+def _trial(state, args, impl, seq):
+    """One step at ``seq`` tokens: ``{seq, ok, seconds, peak_gib, loss | error}``; a fresh engine after an OOM."""
+    import torch
+    device = _device(args)
+    if state.get("engine") is None:
+        state["engine"], state["model"], state["ulysses"] = _build(args, impl)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    record = {"seq": seq}
+    try:
+        record["loss"] = _step(state["engine"], state["model"], state["ulysses"], seq, args.logits_tile,
+                               _shape(args)["vocab_size"])
+        _sync(device)
+        record.update(ok=True, seconds=time.perf_counter() - start)
+    except torch.OutOfMemoryError as exc:
+        record.update(ok=False, seconds=time.perf_counter() - start, error=str(exc).split("\n")[0][:200])
+        _drop(state)
+    record["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    print(json.dumps({"impl": impl, **record}), flush=True)
+    return record
+
+
+def _drop(state):
+    import torch
+    engine = state.pop("engine", None)
+    state.pop("model", None)
+    if engine is not None and hasattr(engine, "destroy"):
+        try:
+            engine.destroy()
+        except Exception:  # an engine broken by the OOM: dropping it is all that is left to do
+            pass
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def search(args, impl):
+    """The doubling-then-bisecting search of the module docstring, then the throughput step."""
+    import deepspeed
+    import torch
+    state, trials = {}, []
+    began = time.perf_counter()
+
+    def out_of_time():
+        return time.perf_counter() - began > args.time_budget
+
+    good, bad, seq, capped = 0, None, args.start, False
+    while bad is None:
+        if out_of_time() or seq > args.cap:
+            capped = True
+            break
+        rec = _trial(state, args, impl, seq)
+        trials.append(rec)
+        if rec["ok"]:
+            good, seq = seq, seq * 2
+        else:
+            bad = seq
+    while bad is not None and bad - good > args.resolution and not capped:
+        if out_of_time():
+            capped = True
+            break
+        mid = (good + bad) // 2 // args.resolution * args.resolution or args.resolution
+        if mid <= good:
+            break
+        rec = _trial(state, args, impl, mid)
+        trials.append(rec)
+        if rec["ok"]:
+            good = mid
+        else:
+            bad = mid
+    compare = args.compare_at or good
+    throughput = None
+    if compare:
+        _trial(state, args, impl, compare)  # warm-up at this length
+        rec = _trial(state, args, impl, compare)
+        if rec["ok"]:
+            throughput = {
+                "seq": compare,
+                "tokens_per_s": compare / rec["seconds"],
+                "seconds": rec["seconds"],
+                "peak_gib": rec["peak_gib"]
+            }
+    return {
+        "impl": impl,
+        "deepspeed": f"{deepspeed.__version__} ({os.path.dirname(deepspeed.__file__)})",
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if _device(args).type == "cuda" else "cpu",
+        "longest_ok": good,
+        "first_oom": bad,
+        "capped": capped,
+        "throughput": throughput,
+        "trials": trials,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ memory probe
+def probe_memory(args):
+    """Bytes kept between forward and backward by one MLP and by the loss head, untiled and tiled, at ``--start``
+    tokens of the model's shape, counted on the meta device (shapes only: nothing is allocated, no GPU needed).
+
+    Kept: every tensor autograd saves for backward (saved-tensor hooks, each storage once); for the tiled loss,
+    what it stores for its backward (the input's gradient and the head's weight gradient). The tiled functions'
+    transient peak is one tile's intermediates, reported beside (``tile_bytes``).
+    """
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    from deepspeed.runtime.sequence_parallel.tiled_compute import TiledFusedLogitsLoss, TiledMLP
+    shape = _shape(args)
+    config = LlamaConfig(**shape)
+    seq, hidden, vocab, inner = args.start, shape["hidden_size"], shape["vocab_size"], shape["intermediate_size"]
+    dtype = torch.bfloat16
+
+    def kept(fn):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)] = t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            extra = fn()
+        return sum(seen.values()) + extra
+
+    with torch.device("meta"):
+        mlp = LlamaMLP(config).to(dtype)
+        head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype)
+        x = torch.empty(1, seq, hidden, dtype=dtype, requires_grad=True)
+        y = torch.zeros(1, seq, dtype=torch.long)
+
+    def mlp_fn(module, h):
+        return module.down_proj(module.act_fn(module.gate_proj(h)) * module.up_proj(h))
+
+    def loss_fn(module, h, t):
+        return torch.nn.functional.cross_entropy(module(h).float().view(-1, vocab), t.view(-1), reduction="sum")
+
+    mlp_tiles = max(1, math.ceil(seq / hidden))
+    loss_tiles = max(1, math.ceil(seq / args.logits_tile))
+    rows = {
+        "mlp": kept(lambda: (mlp_fn(mlp, x), 0)[1]),
+        "tiled_mlp": kept(lambda: (TiledMLP.apply(mlp_fn, mlp, x, mlp_tiles, None), 0)[1]),
+        "logits_loss": kept(lambda: (loss_fn(head, x, y), 0)[1]),
+        # the tiled loss saves nothing for backward; its per-tile graphs are gone when forward returns
+        "tiled_logits_loss": _tiled_loss_kept(TiledFusedLogitsLoss, loss_fn, head, x, y, loss_tiles),
+    }
+    tile = {
+        "tiled_mlp": 3 * math.ceil(seq / mlp_tiles) * inner * 2,
+        "tiled_logits_loss": 2 * math.ceil(seq / loss_tiles) * vocab * 4
+    }
+    result = {"seq": seq, "hidden": hidden, "vocab": vocab, "kept_bytes": rows, "tile_bytes": tile}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def _tiled_loss_kept(fn_class, loss_fn, head, x, y, tiles):
+    import torch
+    out = fn_class.apply(loss_fn, head, x, y, None, tiles, [head.weight], "sum")
+    ctx = out.grad_fn
+    stored = [t for t in (getattr(ctx, "x_grad", None), ) if torch.is_tensor(t)]
+    stored += [g for g in ctx.param_grads.sums if g is not None]
+    return sum(t.numel() * t.element_size() for t in stored)
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+def _child(args, impl, compare_at, out):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
+        env.setdefault(key, value)
+    if impl == "ours":
+        env["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT, env.get("PYTHONPATH", "")])
+    else:
+        env["PYTHONPATH"] = os.pathsep.join([args.upstream_path, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--out", out]
+    for name in ("start", "cap", "resolution", "time_budget", "logits_tile"):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--tied"] if args.tied else []
+    cmd += ["--cpu"] if args.cpu else []
+    if compare_at:
+        cmd += ["--compare-at", str(compare_at)]
+    if os.path.exists(out):
+        os.remove(out)
+    proc = subprocess.run(cmd, env=env, check=False, timeout=args.time_budget * 3 + 300)
+    if not os.path.exists(out):
+        return {
+            "impl": impl,
+            "error": f"exit code {proc.returncode}",
+            "longest_ok": 0,
+            "first_oom": None,
+            "capped": False,
+            "throughput": None,
+            "trials": []
+        }
+    with open(out) as f:
+        return json.load(f)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impl", choices=["ours", "upstream", "both"], default="both")
+    parser.add_argument("--upstream-path", default="/tmp/upstream", help="folder holding upstream's deepspeed")
+    parser.add_argument("--start", type=int, default=16384)
+    parser.add_argument("--cap", type=int, default=1 << 24, help="longest length tried")
+    parser.add_argument("--resolution", type=int, default=8192)
+    parser.add_argument("--time-budget", type=float, default=600.0, help="seconds per search")
+    parser.add_argument("--logits-tile", type=int, default=8192)
+    parser.add_argument("--compare-at", type=int, default=0)
+    parser.add_argument("--out", default="sp_bench.json")
+    parser.add_argument("--tiny", action="store_true", help="a toy model (smoke test)")
+    parser.add_argument("--tied", action="store_true", help="tie the input and output embeddings")
+    parser.add_argument("--probe-memory",
+                        action="store_true",
+                        help="bytes kept for backward, tiled and not "
+                        "(meta device; this package's tools)")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test)")
+    args = parser.parse_args()
+    if args.impl == "ours" and _REPO_ROOT not in sys.path:
+        sys.path.insert(0, _REPO_ROOT)  # this package, also when run as --impl ours directly
+    if args.probe_memory:
+        result = probe_memory(args)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
+    if args.impl != "both":
+        result = search(args, args.impl)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    base = os.path.splitext(args.out)[0]
+    upstream = _child(args, "upstream", args.compare_at, base + "_upstream.json")
+    compare = args.compare_at or upstream.get("longest_ok") or 0
+    ours = _child(args, "ours", compare, base + "_ours.json")
+    with open(args.out, "w") as f:
+        json.dump({"upstream": upstream, "ours": ours}, f, indent=1)
+    for r in (upstream, ours):
+        tp = r.get("throughput") or {}
+        print(f"{r['impl']:>9}: longest {r['longest_ok']} tokens{' (capped)' if r['capped'] else ''}, first OOM "
+              f"{r['first_oom']}; at {tp.get('seq')} tokens: {tp.get('tokens_per_s')} tokens/s, peak "
+              f"{tp.get('peak_gib')} GiB {r.get('error', '')}")
+
+
+if __name__ == "__main__":
+    main()
