@@ -124,7 +124,7 @@ class _Load:
         if saved.reader is not None:
             return  # another format (upstream's, universal) never fits this runtime's layout: phase 2 reads it by name
         files = saved.optim_files()  # a wrong listing is an error of this phase
-        if not self.stage.reads_own_file(saved.saved_stage) or len(files) != self.engine.dp_world_size:
+        if not self.stage.reads_own_file(saved.saved_stage) or len(files) != self.engine.seq_dp_world_size:
             return
         own = saved.own_partition(self.dp_rank)
         if self.stage.fits(own.saved, self.name_of):

@@ -104,7 +104,7 @@ def build_model_states(engine, groups, exclude_frozen_parameters, meta, client_s
         global_steps=engine.global_steps,
         global_samples=engine.global_samples,
         skipped_steps=engine.skipped_steps,
-        dp_world_size=engine.dp_world_size,
+        dp_world_size=engine.seq_dp_world_size,  # one file per rank of the partition group, as upstream
         mp_world_size=engine.mp_world_size,
         ds_config=engine.config,
         ds_version=deepspeed.__version__,

@@ -117,7 +117,7 @@ def _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_par
     save = SaveContext(name_of=model_state.param_names(engine.module),
                        save_id=save_id,
                        dp_rank=rank,
-                       dp_world_size=engine.dp_world_size,
+                       dp_world_size=engine.seq_dp_world_size,  # the ranks ZeRO partitions span (data x sequence)
                        bf16=bool(engine.bfloat16_enabled()),
                        fp16=bool(engine.fp16_enabled()),
                        exclude_frozen_parameters=exclude_frozen_parameters,
