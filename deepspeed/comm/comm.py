@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import fallbacks, lifecycle
+from . import fallbacks, lifecycle, peer_failure
 from .env import discover
 from .fallbacks import COLLECTIVE_ERRORS, all_gather_single, reduce_scatter_single
 from .reduce_op import ReduceOp
@@ -30,6 +30,9 @@ from .timed import comms_logger, timed_op
 _CAPS = fallbacks._CAPABILITIES
 _capabilities = fallbacks.capabilities
 _AVG = ReduceOp.AVG
+_AS_ALL_REDUCE = fallbacks.GroupCapabilities()  # gloo with watched waits: reduce-scatter as an all-reduce
+_AS_ALL_REDUCE.reduce_scatter_tensor = False
+_AS_ALL_REDUCE.avg = False
 
 DEFAULT_PG_TIMEOUT = timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", 30)))
 
@@ -58,6 +61,7 @@ def init_distributed(dist_backend=None,
     backend defaults to the accelerator's (``nccl`` on CUDA, ``gloo`` on CPU).
     ``config`` (a DeepSpeed config dict or ``DeepSpeedConfig``) configures the comms logger.
     """
+    peer_failure.check_usable()  # after an aborted group: the reason now, not a rendezvous that nobody joins
     if config is not None:
         configure(deepspeed_config=config)
     if dist_init_required is False or is_initialized():
@@ -90,6 +94,7 @@ def init_distributed(dist_backend=None,
                             world_size=launch.world_size,
                             rank=launch.rank,
                             **kwargs)
+    peer_failure.record_group_timeout(timeout)
     # A group we created is destroyed before interpreter shutdown if the script does not (see lifecycle.py).
     lifecycle.destroy_at_exit()
 
@@ -256,6 +261,8 @@ def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
 def reduce_scatter_tensor(output_tensor, input_tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``input_tensor`` (world_size x output's size) over the group; rank r keeps chunk r."""
     caps = _CAPS.get(group) or _capabilities(group)
+    if peer_failure.watching():  # a watched wait needs a handle that honours a timeout: gloo's native
+        return fallbacks.reduce_scatter_tensor(_AS_ALL_REDUCE, output_tensor, input_tensor, op, group, async_op)
     if caps.reduce_scatter_tensor and (caps.avg or op != _AVG):
         try:
             return reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)

@@ -13,6 +13,8 @@ import functools
 import inspect
 import time
 
+from deepspeed.comm import peer_failure
+
 from deepspeed.utils.comms_logging import CommsLogger, caller_name
 
 # The process's logger, shared by every collective; deepspeed.comm.configure sets it up.
@@ -52,10 +54,15 @@ def timed_op(fn):
     name = fn.__name__
     signature = inspect.signature(fn)
     measure = size_of(name)
+    params = list(signature.parameters)
+    async_at = params.index("async_op") if "async_op" in params else None
+    group_at = params.index("group") if "group" in params else None
 
     @functools.wraps(fn)
     def collective(*args, prof=False, log_name=None, debug=None, **kwargs):
         if not comms_logger.enabled:
+            if peer_failure.watching():  # gloo: waits read the store between slices (a peer may have failed)
+                return peer_failure.call_watched(fn, args, kwargs, async_at, group_at)
             return fn(*args, **kwargs)
         if not (prof or comms_logger.selects(name) or (log_name is not None and comms_logger.selects(log_name))):
             return fn(*args, **kwargs)

@@ -15,6 +15,7 @@ import logging
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.comm.peer_failure import guarded
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops import grad_ops_native
 from deepspeed.moe import autoep
@@ -410,6 +411,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._audit.record(batch)
 
     # ----------------------------------------------------- forward / backward
+    @guarded("engine.forward")  # a rank that raises makes its peers fail with its reason (docs/faults.md)
     def forward(self, *inputs, **kwargs):
         registry.discard_stale_sessions()
         if self._config.fp16_enabled and self._config.fp16_auto_cast:
@@ -426,6 +428,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self._stage.after_forward()
         return outputs
 
+    @guarded("engine.backward")
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Backward of ``loss`` with GAS scaling (unless ``scale_wrt_gas=False``) and fp16 loss scaling.
 
@@ -463,6 +466,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         return ownership.seed(loss, self.loss_scaler.loss_scale, True, False, "engine.scale", self._stage.pipeline)
 
     # ------------------------------------------------------------------- step
+    @guarded("engine.step")
     def step(self, lr_kwargs=None):
         """End a micro-step; at the accumulation boundary apply the optimizer (see the module docstring)."""
         if self.window.deferred():

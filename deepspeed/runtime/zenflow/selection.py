@@ -5,13 +5,17 @@ A *row* of a weight ``W`` is ``W[i]`` (one output channel of a linear or convolu
 contiguous in memory; a weight of ``R`` rows has rows of ``C = numel / R`` elements. Parameters
 with fewer than two dimensions (biases, norms) are always updated on the device, whole.
 
-Selecting. From a step's window gradient, held in the rank's partitions (ZeRO 1/2: each rank
-holds a contiguous piece of every parameter, which may start or end inside a row), every rank
-computes the squared L2 norm of the pieces of rows it holds; one all-reduce of the per-row
-vector (not an all-gather of gradients) gives every rank every row's squared norm, and the top
-``k = ceil(topk_ratio * R)`` rows of each weight are selected (ties broken by torch.topk, which
-sees identical data on every rank). The same rows are therefore selected on every rank; each
-rank updates the elements of the selected rows that it holds.
+Selecting. Every selectable weight of the layout (all ranks build the same layout, so the same
+list in the same order) owns a fixed range of one *row-norm vector* of ``sum R`` entries, laid
+out identically on every rank whatever it holds. From a step's window gradient, held in the
+rank's partitions (ZeRO 1/2: each rank holds a contiguous piece of some parameters, which may
+start or end inside a row, and nothing of others), every rank adds the squared L2 norm of the
+pieces of rows it holds into that vector, zeros elsewhere; one all-reduce of the vector (same
+length everywhere, not an all-gather of gradients) gives every rank every row's squared norm,
+and the top ``k = ceil(topk_ratio * R)`` rows of each weight are selected (ties broken by
+torch.topk, which sees identical data on every rank). The selection is therefore the same on
+every rank, and the one a single rank would make from the same global gradient (up to the
+rounding of the sum); each rank updates the elements of the selected rows that it holds.
 
 Layout. The elements a rank updates on the device, per param group, are packed into one flat
 *selected buffer*, piece by piece in layout order: a non-selectable piece whole, then for a
@@ -39,6 +43,16 @@ def rows_selected(rows, topk_ratio):
 
 
 @dataclass(eq=False)
+class _Weight:
+    """One selectable parameter of the layout: the same list, in the same order, on every rank."""
+    param: torch.Tensor
+    rows: int
+    row_len: int
+    norm_offset: int  # where its rows start in the row-norm vector
+    k: int  # rows selected per step
+
+
+@dataclass(eq=False)
 class _Piece:
     """The part of one trainable parameter that this rank holds."""
     param: torch.Tensor
@@ -50,8 +64,8 @@ class _Piece:
     rows: int = 1
     row_len: int = 0
     selectable: bool = False
-    norm_offset: int = 0  # where its rows start in the row-norm vector
-    k: int = 0  # rows selected per step
+    weight: int = -1  # index of its _Weight (selectable pieces)
+    norm_offset: int = 0  # where its weight's rows start in the row-norm vector
     first_full: int = 0  # whole rows held: [first_full, end_full)
     end_full: int = 0
     partials: list = field(default_factory=list)  # (row, element start, element end) of rows held in part
@@ -84,8 +98,19 @@ class RowSelection:
         self.device = torch.device(device)
         self.group = group
         self.num_groups = layout.num_groups
-        self.pieces: List[_Piece] = []
+        self.weights: List[_Weight] = []
+        weight_of = {}
         rows_total = 0
+        for param in layout.params:  # every rank's layout lists the same parameters in the same order
+            numel = layout.slots[param].numel
+            if param.dim() < 2 or numel == 0:
+                continue
+            rows = param.shape[0]
+            weight_of[param] = len(self.weights)
+            self.weights.append(_Weight(param, rows, numel // rows, rows_total, rows_selected(rows, self.topk_ratio)))
+            rows_total += rows
+        self.rows_total = rows_total
+        self.pieces: List[_Piece] = []
         for param in layout.params:
             owned = layout.owned_ranges(param)
             slot = layout.slots[param]
@@ -93,18 +118,16 @@ class RowSelection:
                 continue
             start, length, part_offset = owned
             piece = _Piece(param, slot.group, start, length, part_offset, slot.offset + start)
-            shape = tuple(param.shape)
-            if len(shape) >= 2:
+            if param in weight_of:
+                weight = self.weights[weight_of[param]]
                 piece.selectable = True
-                piece.rows = shape[0]
-                piece.row_len = slot.numel // shape[0]
-                piece.norm_offset = rows_total
-                rows_total += piece.rows
-                piece.k = rows_selected(piece.rows, self.topk_ratio)
+                piece.weight = weight_of[param]
+                piece.rows = weight.rows
+                piece.row_len = weight.row_len
+                piece.norm_offset = weight.norm_offset
                 self._split_rows(piece)
             self.pieces.append(piece)
-        self.rows_total = rows_total
-        self.rows = {}  # piece index -> selected global rows (sorted), once selected
+        self.rows = {}  # weight index -> selected rows (sorted), once selected
         self._build_ops()
 
     @staticmethod
@@ -127,8 +150,9 @@ class RowSelection:
     # ------------------------------------------------------------- selecting
     @torch.no_grad()
     def row_sq_norms(self, parts):
-        """Every row's squared gradient norm (a float32 host vector), from this rank's partitions, reduced over
-        ranks (a collective)."""
+        """Every row's squared gradient norm (a float32 host vector of ``rows_total`` entries, weight by weight in
+        layout order), from this rank's partitions, summed over ranks (a collective whose length is the same on
+        every rank: a rank adds what it holds and leaves zeros elsewhere)."""
         norms = torch.zeros(max(self.rows_total, 1), dtype=torch.float32)
         for piece in self.pieces:
             if not piece.selectable:
@@ -156,20 +180,24 @@ class RowSelection:
 
     @torch.no_grad()
     def select(self, parts):
-        """Choose the top rows of every weight from the gradient in ``parts`` (collective); rebuild the layout."""
+        """Choose the top rows of every weight from the gradient in ``parts`` (collective); rebuild the layout.
+        Returns the reduced row norms."""
         norms = self.row_sq_norms(parts)
         rows = {}
-        for index, piece in enumerate(self.pieces):
-            if piece.selectable:
-                vector = norms.narrow(0, piece.norm_offset, piece.rows)
-                rows[index] = torch.topk(vector, piece.k, sorted=False).indices.sort().values
+        for index, weight in enumerate(self.weights):
+            vector = norms.narrow(0, weight.norm_offset, weight.rows)
+            rows[index] = torch.topk(vector, weight.k, sorted=False).indices.sort().values
         self.set_rows(rows)
         return norms
 
     def set_rows(self, rows):
-        """Use ``rows`` (piece index -> sorted global row ids), e.g. restored from a checkpoint."""
-        self.rows = {index: torch.as_tensor(r, dtype=torch.long).cpu() for index, r in rows.items()}
+        """Use ``rows`` (weight index -> sorted row ids, as :meth:`state` gives them), e.g. from a checkpoint."""
+        self.rows = {int(index): torch.as_tensor(r, dtype=torch.long).cpu() for index, r in rows.items()}
         self._build_ops()
+
+    def selected_rows(self):
+        """Parameter -> its selected rows (sorted), for every selectable weight (empty before a selection)."""
+        return {self.weights[index].param: rows for index, rows in self.rows.items()}
 
     def _build_ops(self):
         self.ops = [[] for _ in range(self.num_groups)]
@@ -181,7 +209,7 @@ class RowSelection:
                 ops.append(_Op(piece.part_offset, piece.full_offset, piece.length, self.numel[g], piece=index))
                 self.numel[g] += piece.length
                 continue
-            selected = self.rows.get(index)
+            selected = self.rows.get(piece.weight)
             if selected is None:
                 continue
             c = piece.row_len
@@ -254,7 +282,7 @@ class RowSelection:
                 dst.view(-1, op.row_len).index_copy_(0, ids, rows)
 
     def state(self):
-        """The selection, for a checkpoint: piece index -> selected global rows."""
+        """The selection, for a checkpoint: weight index (selectable parameters in layout order) -> its rows."""
         return {index: rows.clone() for index, rows in self.rows.items()}
 
     def selected_share(self):

@@ -52,7 +52,7 @@ from deepspeed.runtime.zero.host_worker import cores_for, host_cores
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the selection is keyed by weight (layout order), no longer by this rank's pieces
 
 
 class ZenFlowStep:

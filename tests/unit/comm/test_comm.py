@@ -279,11 +279,15 @@ def check_refusal_is_learned(rank):
         raise RuntimeError("Backend gloo does not support reduce_scatter_tensor")
 
     expected = _sum_of_inputs().view(WORLD_SIZE, 4)[rank]
-    with _replaced("reduce_scatter_single", refusing):
-        for _ in range(2):
-            out = torch.empty(4)
-            dist.reduce_scatter_tensor(out, _inputs(rank), group=group)
-            _expect_close(out, expected)
+    dist.peer_failure.set_watched_waits(False)  # watched waits (docs/faults.md) never use the native reduce-scatter
+    try:
+        with _replaced("reduce_scatter_single", refusing):
+            for _ in range(2):
+                out = torch.empty(4)
+                dist.reduce_scatter_tensor(out, _inputs(rank), group=group)
+                _expect_close(out, expected)
+    finally:
+        dist.peer_failure.set_watched_waits(None)
     assert len(calls) == 1, "the refusal must be remembered for the group"
     assert not fallbacks.capabilities(group).reduce_scatter_tensor
     assert fallbacks.capabilities(None).reduce_scatter_tensor, "other groups must keep the native path"

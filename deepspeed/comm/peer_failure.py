@@ -1,0 +1,468 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A rank that leaves a training step through an exception: its peers fail in bounded time, with its reason.
+
+The problem. Collectives pair up by order. When one rank raises inside ``engine.forward`` (say) while its peers
+are already inside the step's gradient all-reduce, the peers wait for a partner that never comes: until the process
+group's timeout (30 minutes by default), or for ever if the failed rank goes on and issues other collectives (which
+pair with the wrong ones: a size mismatch aborts gloo, a silent one trains wrong). Upstream behaves the same.
+
+The protocol. Every rank reaches the rendezvous store (the default group's ``Store``) without a collective.
+
+1. When an exception leaves ``engine.forward``, ``engine.backward`` or ``engine.step`` (:func:`guarded`) on rank
+   ``r`` of a group of several ranks, ``r`` writes a *fault record* (where, which exception, and how many
+   collectives it has issued on each process group) under ``deepspeed/peer_failure/<fault number>/rank<r>``.
+2. ``r`` waits for the other ranks' records of the same fault, at most :func:`failure_timeout` seconds. If every
+   rank raised having issued the same collectives (a bad input that every rank rejects at the same point, as the
+   runtime's own checks do), nothing is out of step: every rank goes on with its own exception, as before.
+   Otherwise the fault is *abandoned*: ``r`` marks it so in the store, its process group is aborted, and its own
+   exception goes on (with a note).
+3. A peer blocked in a collective does not wait blindly: with gloo (CPU tensors) every wait of a ``deepspeed.comm``
+   collective waits in slices of ``WATCH_SLICE_S`` and, between slices, reads the store (gloo's native
+   reduce-scatter handle ignores a wait's timeout: a watched reduce-scatter runs as an all-reduce). Once the fault is
+   abandoned, or a record shows that a rank left the step without issuing the collective the peer waits for, the
+   peer marks the fault abandoned, aborts its group and raises :class:`PeerFailureError`, naming the rank, the call
+   it left and its exception. A peer that raises because of the fault afterwards gets the same error.
+
+After that no process group exists on these ranks: ``init_distributed`` (and so ``deepspeed.initialize``) raises
+:class:`PeerFailureError` at once, instead of waiting in a rendezvous no peer will join. A group cannot be mended
+from inside the job (the peers' collectives are lost): the job is restarted (torchrun ``--max-restarts``, the
+scheduler). A default group formed again by other means (``torch.distributed.init_process_group``) starts afresh.
+
+Timeouts. The wait of step 2 is ``DS_PEER_FAILURE_TIMEOUT`` seconds (default 60, or :func:`set_failure_timeout`)
+and never more than half the process group's timeout. The process group's timeout (``init_distributed(timeout=
+...)``, default upstream's ``DEEPSPEED_TIMEOUT`` environment variable in minutes, else 30) bounds everything else:
+a rank that dies or hangs without raising. ``KeyboardInterrupt`` and ``SystemExit`` abandon at once.
+
+Limits. Only exceptions that leave ``engine.forward``, ``engine.backward`` or ``engine.step`` start the protocol
+(wrap a direct ``loss.backward()`` or custom code in :func:`failure_guard`); only waits of ``deepspeed.comm``
+collectives watch the store. NCCL waits do not block the host: there the peers end at the process group's timeout
+(NCCL's watchdog), and a ``PeerFailureError`` is raised where the record is seen.
+"""
+
+import contextlib
+import functools
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+PREFIX = "deepspeed/peer_failure"
+DEFAULT_FAILURE_TIMEOUT_S = 60.0
+WATCH_SLICE_S = 1.0
+POLL_S = 0.02
+ACK_WAIT_S = 5.0  # how long a failed rank keeps the store up for its peers to read the record
+MAX_REASON_CHARS = 600
+
+
+class PeerFailureError(RuntimeError):
+    """A rank left a training step through an exception while this rank waited for it (or before this rank's own
+    exception): the process group was aborted. ``failed`` maps each failed rank to its reason."""
+
+    def __init__(self, message, failed=None):
+        super().__init__(message)
+        self.failed = dict(failed or {})
+
+
+class _State:
+
+    def __init__(self):
+        self.fault = 0  # faults this rank went through with its peers (the same count on every rank): the key
+        # namespace of the next one
+        self.poisoned = None  # why this rank's group was aborted
+        self.failed = {}
+        self.timeout_s = None  # set_failure_timeout
+        self.pg_timeout = None  # the timeout init_distributed gave the group
+        self.watch_world = None  # id() of the default group ``watch`` was decided for, and the decision
+        self.watch = False
+        self.watch_forced = None  # set_watched_waits
+        self.local = threading.local()
+
+
+_state = _State()
+
+
+# ------------------------------------------------------------------------------------------------ settings
+def set_failure_timeout(seconds):
+    """Seconds a rank that raised waits for its peers to raise alike before the fault is abandoned (None: back to
+    ``DS_PEER_FAILURE_TIMEOUT`` or 60 s)."""
+    if seconds is not None and not float(seconds) > 0:
+        raise ValueError(f"set_failure_timeout: seconds must be positive, got {seconds!r}")
+    _state.timeout_s = None if seconds is None else float(seconds)
+
+
+def record_group_timeout(timeout):
+    """``init_distributed`` tells the timeout it created the default group with (a ``timedelta``)."""
+    _state.pg_timeout = timeout
+
+
+def _group_timeout():
+    """The default group's collective timeout, as its backend reports it (else as ``init_distributed`` made it)."""
+    try:
+        import torch
+        group = dist.distributed_c10d._get_default_group()
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # another backend or torch version: what init_distributed was given, if anything
+        return _state.pg_timeout
+
+
+def failure_timeout():
+    """Seconds a rank that raised waits for its peers (see the module docstring)."""
+    seconds = _state.timeout_s
+    if seconds is None:
+        raw = os.environ.get("DS_PEER_FAILURE_TIMEOUT")
+        try:
+            seconds = float(raw) if raw else DEFAULT_FAILURE_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"DS_PEER_FAILURE_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    group_timeout = _group_timeout()
+    if isinstance(group_timeout, timedelta):
+        seconds = min(seconds, group_timeout.total_seconds() / 2)
+    return max(seconds, POLL_S)
+
+
+def check_usable():
+    """Raise :class:`PeerFailureError` if this rank aborted its process group after a fault and no new one exists
+    (``init_distributed`` calls it first, so a retry gets the reason instead of a rendezvous nobody joins)."""
+    if _state.poisoned is None:
+        return
+    if dist.is_available() and dist.is_initialized():  # someone formed a new group: a fresh start
+        _clear()
+        return
+    raise PeerFailureError(
+        f"{_state.poisoned}\nThis process's process group was aborted and cannot be formed again from inside the "
+        f"job (its peers lost their collectives): restart the job on every rank (see docs/faults.md).", _state.failed)
+
+
+def _clear():
+    # ``fault`` keeps counting: a group formed again inside this process may share the old rendezvous store (a
+    # multi-tenant TCPStore keeps its keys), and every rank that went through the fault counted it
+    _state.poisoned = None
+    _state.failed = {}
+
+
+# ------------------------------------------------------------------------------------------------ the guard
+def guarded(where):
+    """Decorate an engine method (``where``: its name in messages) so that an exception leaving it runs the fault
+    protocol of the module docstring. Nested guarded calls leave it to the outermost one."""
+
+    def decorate(method):
+
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            local = _state.local
+            if getattr(local, "active", False):
+                return method(self, *args, **kwargs)
+            local.active = True
+            try:
+                return method(self, *args, **kwargs)
+            except BaseException as exc:
+                step = getattr(self, "global_steps", None)
+                on_exception(exc, where if step is None else f"{where} (global step {step})")
+                raise
+            finally:
+                local.active = False
+
+        return call
+
+    return decorate
+
+
+@contextlib.contextmanager
+def failure_guard(where="training step"):
+    """The protocol of :func:`guarded` around any block (a direct ``loss.backward()``, custom collectives)."""
+    local = _state.local
+    if getattr(local, "active", False):
+        yield
+        return
+    local.active = True
+    try:
+        yield
+    except BaseException as exc:
+        on_exception(exc, where)
+        raise
+    finally:
+        local.active = False
+
+
+# ------------------------------------------------------------------------------------------------ the store
+def _peers():
+    """(store, rank, world) of the default group, or None when there are no peers to tell."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if _state.poisoned is not None:  # a new group was formed since ours was aborted
+        _clear()
+    world = dist.get_world_size()
+    if world < 2:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return store, dist.get_rank(), world
+
+
+def _group_key(group):
+    return getattr(group, "group_name", None) or str(id(group))
+
+
+def _sequences():
+    """Collectives issued so far on each process group of this rank (group name -> count)."""
+    out = {}
+    try:
+        for group in list(dist.distributed_c10d._world.pg_map):
+            try:
+                out[_group_key(group)] = int(group._get_sequence_number_for_group())
+            except (AttributeError, RuntimeError):
+                pass
+    except (AttributeError, RuntimeError):
+        pass
+    return out
+
+
+def _get(store, key):
+    return store.get(key).decode("utf-8", "replace") if store.check([key]) else None
+
+
+def _base():
+    return f"{PREFIX}/{_state.fault}"
+
+
+def _records(store, world, base):
+    """rank -> its fault record (dict with ``seq`` and ``reason``) of this fault."""
+    found = {}
+    for q in range(world):
+        raw = _get(store, f"{base}/rank{q}")
+        if raw is not None:
+            found[q] = json.loads(raw)
+    return found
+
+
+def _describe(records):
+    return "; ".join(f"rank {q} {record['reason']}" for q, record in sorted(records.items()))
+
+
+def _reason(exc, where):
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if len(text) > MAX_REASON_CHARS:
+        text = text[:MAX_REASON_CHARS] + " ..."
+    return f"left {where} with {text}"
+
+
+def _note(exc, text):
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(text)
+
+
+# ------------------------------------------------------------------------------------------------ faults
+def on_exception(exc, where):
+    """Run the fault protocol for ``exc`` leaving ``where`` on this rank. Raises :class:`PeerFailureError` (from
+    ``exc``) when a peer's fault explains it; otherwise returns, and the caller re-raises ``exc``."""
+    if isinstance(exc, PeerFailureError):
+        return
+    peers = _peers()
+    if peers is None:
+        return
+    store, rank, world = peers
+    base = _base()
+    try:
+        if store.check([f"{base}/abandoned"]):  # a peer gave up on this fault: that is why this rank failed
+            _peer_failed(store, rank, world, exc, where)
+        store.set(f"{base}/rank{rank}", json.dumps(dict(seq=_sequences(), reason=_reason(exc, where))))
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            _abandon(store, rank, world, exc)
+            return
+        keys = [f"{base}/rank{q}" for q in range(world)]
+        deadline = time.monotonic() + failure_timeout()
+        while True:
+            if store.check(keys):
+                records = _records(store, world, base)
+                if len({json.dumps(r["seq"], sort_keys=True) for r in records.values()}) == 1:
+                    _state.fault += 1  # every rank left at the same point: nothing is out of step
+                    return
+                _abandon(store, rank, world, exc)
+                return
+            if store.check([f"{base}/abandoned"]) or time.monotonic() >= deadline:
+                _abandon(store, rank, world, exc)
+                return
+            time.sleep(POLL_S)
+    except PeerFailureError:
+        raise
+    except Exception as store_error:  # the store is gone (the process holding it ended): say so, keep exc
+        _abort_group()
+        _state.poisoned = (f"Training stopped: rank {rank} {_reason(exc, where)}; the rendezvous store could not be "
+                           f"reached ({type(store_error).__name__}: {store_error})")
+        _note(exc, f"[deepspeed] {_state.poisoned}; the process group was aborted (docs/faults.md)")
+
+
+def _abandon(store, rank, world, exc):
+    """This rank gives up on the fault it is part of: mark it abandoned, abort the group, keep the store up until
+    the peers read the records (or a few seconds)."""
+    base = _base()
+    records = _records(store, world, base)
+    store.compare_set(f"{base}/abandoned", "", _describe(records))
+    _abort_group()
+    waiting = [f"{base}/ack{q}" for q in range(world) if q not in records]
+    deadline = time.monotonic() + min(ACK_WAIT_S, failure_timeout())
+    while waiting and time.monotonic() < deadline and not store.check(waiting):
+        time.sleep(POLL_S)
+    _state.failed = {q: r["reason"] for q, r in records.items()}
+    _state.poisoned = f"Training stopped on every rank: {_describe(records)}."
+    _state.fault += 1
+    _note(
+        exc, "[deepspeed] the ranks did not leave the step at the same point: the process group was aborted and the "
+        "peers were told, so that they fail now instead of waiting (docs/faults.md)")
+
+
+def _peer_failed(store, rank, world, cause, where):
+    """A peer left the step: mark the fault abandoned, abort this rank's group, raise PeerFailureError."""
+    base = _base()
+    records = _records(store, world, base)
+    records.pop(rank, None)
+    store.compare_set(f"{base}/abandoned", "", _describe(records))
+    store.set(f"{base}/ack{rank}", "1")
+    _abort_group()
+    failed = {q: r["reason"] for q, r in records.items()}
+    _state.failed = failed
+    described = _describe(records) or "a peer's fault (no record)"
+    _state.poisoned = f"Training stopped on every rank: {described}."
+    _state.fault += 1
+    message = (f"rank {rank}: {where} could not complete: {described}. The process group was aborted on every "
+               f"rank; restart the job (see docs/faults.md). This rank's own error: "
+               f"{type(cause).__name__}: {str(cause)[:200]}")
+    raise PeerFailureError(message, failed) from cause
+
+
+def _abort_group():
+    """End this rank's default process group now, without waiting for its pending work."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort is not None:
+            abort()
+        else:
+            dist.destroy_process_group()
+    except Exception:  # already broken: nothing more to end
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ watched waits
+def set_watched_waits(enabled):
+    """Force watched waits on or off (None: automatic, on for a default group of several gloo ranks unless
+    ``DS_PEER_FAILURE_WATCH=0``). Off keeps gloo's native reduce-scatter, and peers then wait for the group's
+    timeout."""
+    _state.watch_forced = None if enabled is None else bool(enabled)
+
+
+def watching():
+    """Whether ``deepspeed.comm`` collectives wait in watched slices (see :func:`set_watched_waits`)."""
+    if _state.watch_forced is not None:
+        return _state.watch_forced and dist.is_initialized()
+    world = getattr(dist.distributed_c10d.GroupMember, "WORLD", None)
+    key = id(world)  # not the group itself: a reference here would keep a destroyed group's threads alive
+    if key != _state.watch_world:
+        _state.watch_world = key
+        try:
+            _state.watch = (world is not None and os.environ.get("DS_PEER_FAILURE_WATCH", "1") != "0"
+                            and dist.get_world_size() > 1 and dist.get_backend() == "gloo")
+        except (RuntimeError, ValueError):
+            _state.watch = False
+    return _state.watch
+
+
+def call_watched(fn, args, kwargs, async_at, group_at):
+    """Run collective ``fn`` asynchronously and return a :class:`WatchedWork` (or wait on it, for a synchronous
+    call). ``async_at`` / ``group_at``: the positions of its ``async_op`` and ``group`` parameters (or None)."""
+    if async_at is None:
+        return fn(*args, **kwargs)
+    if len(args) > async_at:
+        wanted = bool(args[async_at])
+        args = args[:async_at] + (True, ) + args[async_at + 1:]
+    else:
+        wanted = bool(kwargs.get("async_op", False))
+        kwargs["async_op"] = True
+    group = args[group_at] if group_at is not None and len(args) > group_at else kwargs.get("group")
+    work = fn(*args, **kwargs)
+    if work is None:
+        return None
+    watched = WatchedWork(work, group)
+    if wanted:
+        return watched
+    watched.wait()
+    return None
+
+
+class WatchedWork:
+    """A work handle whose ``wait()`` reads the rendezvous store between slices (see the module docstring); every
+    other attribute is the wrapped handle's."""
+
+    __slots__ = ("_work", "_group", "_seq")
+
+    def __init__(self, work, group):
+        self._work = work
+        self._group = group
+        try:
+            pg = group if group is not None else dist.distributed_c10d._get_default_group()
+            self._seq = (_group_key(pg), int(pg._get_sequence_number_for_group()))
+        except (AttributeError, RuntimeError, ValueError):
+            self._seq = None
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            return self._work.wait(timeout)
+        _wait_watched(self._work, self._seq)
+        return True
+
+    def synchronize(self):
+        self.wait()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _wait_watched(work, seq):
+    inner = getattr(work, "_works", None)
+    if isinstance(inner, list):  # the fallbacks' ChainedWork: watch its collectives, then finish it
+        for part in list(inner):
+            _wait_watched(part, seq)
+        work.wait()
+        return
+    step = timedelta(seconds=WATCH_SLICE_S)
+    while True:
+        try:
+            work.wait(step)
+            return
+        except RuntimeError as exc:
+            if "timed out" not in str(exc):
+                raise
+            _check_while_blocked(seq, exc)
+
+
+def _check_while_blocked(seq, cause):
+    """Between two slices of a blocked wait: raise PeerFailureError if the fault is abandoned, or if a rank left the
+    step without issuing the collective this rank waits for."""
+    peers = _peers()
+    if peers is None:
+        return
+    store, rank, world = peers
+    base = _base()
+    try:
+        if store.check([f"{base}/abandoned"]):
+            _peer_failed(store, rank, world, cause, "a collective")
+        if seq is None:
+            return
+        name, mine = seq
+        for q in range(world):
+            if q == rank or not store.check([f"{base}/rank{q}"]):
+                continue
+            record = json.loads(_get(store, f"{base}/rank{q}"))
+            theirs = record["seq"].get(name)
+            if theirs is not None and theirs < mine:  # it left before issuing this collective: it never will
+                _peer_failed(store, rank, world, cause, "a collective")
+    except PeerFailureError:
+        raise
+    except Exception:  # the store is unreachable: keep waiting; the group's timeout bounds the wait
+        return
