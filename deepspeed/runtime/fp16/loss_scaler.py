@@ -22,6 +22,8 @@ import json
 
 import torch
 
+from deepspeed.runtime.precision.loss_scaler import advance_dynamic_scale
+
 # upstream's keys of the dynamic scaler's arguments
 INITIAL_LOSS_SCALE = "init_scale"
 SCALE_WINDOW = "scale_window"
@@ -91,22 +93,7 @@ class DynamicLossScaler(LossScalerBase):
         self.dtype = dtype
 
     def update_scale(self, overflow):
-        if overflow:
-            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                if self.cur_scale == self.min_scale and self.raise_error_at_min_scale:
-                    raise RuntimeError("fp16 gradients overflow at the minimum loss scale")
-                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
-        else:
-            if self.consecutive_hysteresis:
-                self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                if not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.delayed_shift
-                self.cur_scale *= self.scale_factor
-        self.cur_iter += 1
+        advance_dynamic_scale(self, overflow)
 
 
 def to_upstream(scaler, fp16):

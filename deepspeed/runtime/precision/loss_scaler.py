@@ -15,6 +15,30 @@ follows the same sequence.
 """
 
 
+def advance_dynamic_scale(scaler, overflow):
+    """One step of the dynamic rule (module docstring) on any object with the dynamic scaler's fields.
+
+    Upstream's pickled scaler class (``deepspeed.runtime.fp16.loss_scaler``) uses it too, so both follow one rule.
+    """
+    if overflow:
+        if scaler.delayed_shift == 1 or scaler.cur_hysteresis == 1:
+            if scaler.cur_scale <= scaler.min_scale and scaler.raise_error_at_min_scale:
+                raise RuntimeError(f"fp16 gradients overflow at the minimum loss scale {scaler.min_scale}: "
+                                   f"training has diverged or min_loss_scale is too high")
+            scaler.cur_scale = max(scaler.cur_scale / scaler.scale_factor, scaler.min_scale)
+        else:
+            scaler.cur_hysteresis -= 1
+        scaler.last_overflow_iter = scaler.cur_iter
+    else:
+        if scaler.consecutive_hysteresis:
+            scaler.cur_hysteresis = scaler.delayed_shift
+        if (scaler.cur_iter - scaler.last_overflow_iter) % scaler.scale_window == 0:
+            if not scaler.consecutive_hysteresis:
+                scaler.cur_hysteresis = scaler.delayed_shift
+            scaler.cur_scale *= scaler.scale_factor
+    scaler.cur_iter += 1
+
+
 class LossScaler:
     """A constant loss scale."""
 
@@ -66,23 +90,7 @@ class DynamicLossScaler(LossScaler):
         self.last_overflow_iter = -1
 
     def update_scale(self, overflow):
-        if overflow:
-            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                if self.cur_scale <= self.min_scale and self.raise_error_at_min_scale:
-                    raise RuntimeError(f"fp16 gradients overflow at the minimum loss scale {self.min_scale}: "
-                                       f"training has diverged or min_loss_scale is too high")
-                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
-        else:
-            if self.consecutive_hysteresis:
-                self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                if not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.delayed_shift
-                self.cur_scale *= self.scale_factor
-        self.cur_iter += 1
+        advance_dynamic_scale(self, overflow)
 
     def state_dict(self):
         return {
