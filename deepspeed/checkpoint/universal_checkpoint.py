@@ -29,6 +29,7 @@ import shutil
 import torch
 
 from deepspeed.checkpoint import constants as C
+from deepspeed.checkpoint.upstream_format import scaler_state
 from deepspeed.runtime.checkpoint.reader import load_file
 from deepspeed.runtime.checkpoint.reshard import STEP_KEY, FullState
 from deepspeed.runtime.checkpoint.validate import CheckpointError
@@ -192,16 +193,7 @@ class UniversalCheckpoint:
         return full, frozen, scaler
 
     def _scaler(self):
-        from deepspeed.runtime.fp16.loss_scaler import state_of
-        saved = self.optimizer_state
-        state = state_of(saved.get(C.LOSS_SCALER))
-        if state is not None and "cur_iter" in state:
-            state.setdefault("cur_hysteresis", self.hysteresis)
-        return dict(loss_scaler=state,
-                    dynamic_loss_scale=bool(saved.get("dynamic_loss_scale", False)),
-                    fp16=self.fp16,
-                    overflow=bool(saved.get("overflow", False)),
-                    clip_grad=float(saved.get(C.CLIP_GRAD, 0.0) or 0.0))
+        return scaler_state(self.optimizer_state, self.fp16, self.hysteresis)
 
     def module_values(self):
         module = self.checkpoint["module"]

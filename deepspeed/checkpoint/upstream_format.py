@@ -68,6 +68,21 @@ def zero3_shard_numel(numel, world):
     return int(math.ceil(numel / world)) if numel else 0
 
 
+def scaler_state(saved, fp16, hysteresis):
+    """The loss-scaler part of an upstream ZeRO optimizer-states dict ``saved`` (or a universal folder's
+    ``optimizer_state``), as the stages' import takes it; a dynamic scaler's hysteresis counter, which upstream's
+    files may lack, starts from the config's ``hysteresis``."""
+    from deepspeed.runtime.fp16.loss_scaler import state_of
+    state = state_of(saved.get(C.LOSS_SCALER))
+    if state is not None and "cur_iter" in state:
+        state.setdefault("cur_hysteresis", hysteresis)
+    return dict(loss_scaler=state,
+                dynamic_loss_scale=bool(saved.get("dynamic_loss_scale", False)),
+                fp16=fp16,
+                overflow=bool(saved.get("overflow", False)),
+                clip_grad=float(saved.get(C.CLIP_GRAD, 0.0) or 0.0))
+
+
 class UpstreamCheckpoint:
     """The upstream checkpoint in ``directory`` (a tag directory), described by its loaded ``model_states``.
 
@@ -160,15 +175,7 @@ class UpstreamCheckpoint:
         return self._zero3(with_state)
 
     def _scaler(self, saved):
-        from deepspeed.runtime.fp16.loss_scaler import state_of
-        state = state_of(saved.get(C.LOSS_SCALER))
-        if state is not None and "cur_iter" in state:
-            state.setdefault("cur_hysteresis", self.hysteresis)
-        return dict(loss_scaler=state,
-                    dynamic_loss_scale=bool(saved.get("dynamic_loss_scale", False)),
-                    fp16=self.fp16,
-                    overflow=bool(saved.get("overflow", False)),
-                    clip_grad=float(saved.get(C.CLIP_GRAD, 0.0) or 0.0))
+        return scaler_state(saved, self.fp16, self.hysteresis)
 
     # .............................................................. stage 0
     def _module_param_names(self):
