@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import deepspeed.comm as dist
+from deepspeed.moe.sharded_moe import _all_to_all
 from deepspeed.moe.utils import mark_expert_param
 from deepspeed.utils import groups
 
@@ -139,31 +140,17 @@ def check_autoep(model, cfg, world_size, zero_stage, sequence_parallel_size=1):
     return preset
 
 
-def _all_to_all_v(group, tensor, send_counts, recv_counts):
-    """Rows ``tensor[sum(send_counts[:j]) ...]`` go to rank ``j``; returns the rows received (rank order)."""
-    send = tensor.contiguous()
-    if send.dtype in (torch.bfloat16, torch.float16) and torch.distributed.get_backend(group) == "gloo":
-        send = send.float()  # gloo's all-to-all may lack 16-bit types; the round trip is exact
-    out = send.new_empty((sum(recv_counts), ) + tuple(send.shape[1:]))
-    dist.all_to_all_single(out,
-                           send,
-                           output_split_sizes=list(recv_counts),
-                           input_split_sizes=list(send_counts),
-                           group=group)
-    return out.to(tensor.dtype)
-
-
 class _AllToAllV(torch.autograd.Function):
     """A variable-size all-to-all of rows; backward sends the gradient rows back the way they came."""
 
     @staticmethod
     def forward(ctx, group, tensor, send_counts, recv_counts):
         ctx.group, ctx.send_counts, ctx.recv_counts = group, send_counts, recv_counts
-        return _all_to_all_v(group, tensor, send_counts, recv_counts)
+        return _all_to_all(group, tensor, send_counts, recv_counts)
 
     @staticmethod
     def backward(ctx, grad):
-        return None, _all_to_all_v(ctx.group, grad, ctx.recv_counts, ctx.send_counts), None, None
+        return None, _all_to_all(ctx.group, grad, ctx.recv_counts, ctx.send_counts), None, None
 
 
 class GroupedExperts(nn.Module):

@@ -78,13 +78,21 @@ class _AllToAll(torch.autograd.Function):
         return None, _all_to_all(ctx.group, grad_output)
 
 
-def _all_to_all(group, tensor):
-    tensor = tensor.contiguous()
-    send = tensor
-    if tensor.dtype in (torch.bfloat16, torch.float16) and torch.distributed.get_backend(group) == "gloo":
-        send = tensor.float()  # gloo's all-to-all may lack 16-bit types; the round trip is exact
-    out = torch.empty_like(send)
-    dist.all_to_all_single(out, send, group=group)
+def _all_to_all(group, tensor, send_counts=None, recv_counts=None):
+    """Rows of ``tensor`` exchanged over ``group``: an equal split along dim 0, or rows
+    ``sum(send_counts[:j]) ...`` to rank ``j`` with ``recv_counts`` rows received from each (rank order)."""
+    send = tensor.contiguous()
+    if send.dtype in (torch.bfloat16, torch.float16) and torch.distributed.get_backend(group) == "gloo":
+        send = send.float()  # gloo's all-to-all may lack 16-bit types; the round trip is exact
+    if recv_counts is None:
+        out = torch.empty_like(send)
+    else:
+        out = send.new_empty((sum(recv_counts), ) + tuple(send.shape[1:]))
+    dist.all_to_all_single(out,
+                           send,
+                           output_split_sizes=None if recv_counts is None else list(recv_counts),
+                           input_split_sizes=None if send_counts is None else list(send_counts),
+                           group=group)
     return out.to(tensor.dtype)
 
 
