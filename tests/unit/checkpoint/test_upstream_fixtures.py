@@ -213,7 +213,7 @@ RESHARD_CELLS = [("z1-fp32", 3, 1), ("z3-bf16", 0, 4), ("z2-fp16", 2, 1), ("z0-b
 @pytest.mark.parametrize("cell,stage,world", RESHARD_CELLS, ids=[f"{c}-to-z{s}w{w}" for c, s, w in RESHARD_CELLS])
 def test_upstream_checkpoint_reshards(cell, stage, world):
     if cell not in cells():
-        pytest.skip(f"fixture {cell} not written (see upstream/write_fixtures.py)")
+        pytest.fail(f"fixture {cell} is missing: rewrite the fixtures (see upstream/write_fixtures.py)")
     check_continuation(cell, run_distributed(resume_worker, world, args=(cell, stage, world), timeout=120), world)
 
 
