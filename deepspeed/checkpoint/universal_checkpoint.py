@@ -29,7 +29,7 @@ import shutil
 import torch
 
 from deepspeed.checkpoint import constants as C
-from deepspeed.checkpoint.upstream_format import scaler_state
+from deepspeed.checkpoint.upstream_format import module_values, scaler_state
 from deepspeed.runtime.checkpoint.reader import load_file
 from deepspeed.runtime.checkpoint.reshard import STEP_KEY, FullState
 from deepspeed.runtime.checkpoint.validate import CheckpointError
@@ -196,8 +196,4 @@ class UniversalCheckpoint:
         return scaler_state(self.optimizer_state, self.fp16, self.hysteresis)
 
     def module_values(self):
-        module = self.checkpoint["module"]
-        if not self.per_rank:
-            return dict(module)
-        buffers = set(self.checkpoint.get(C.BUFFER_NAMES) or [])
-        return {name: value for name, value in module.items() if name in buffers}
+        return module_values(self.checkpoint, self.per_rank)

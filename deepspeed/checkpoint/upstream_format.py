@@ -83,6 +83,16 @@ def scaler_state(saved, fp16, hysteresis):
                 clip_grad=float(saved.get(C.CLIP_GRAD, 0.0) or 0.0))
 
 
+def module_values(model_states, per_rank):
+    """name -> value of a model-states file's own module entries: the saved module, or with ``per_rank`` (ZeRO-3,
+    whose parameters live in the optimizer files) only its buffers."""
+    module = model_states["module"]
+    if not per_rank:
+        return dict(module)
+    buffers = set(model_states.get(C.BUFFER_NAMES) or [])
+    return {name: value for name, value in module.items() if name in buffers}
+
+
 class UpstreamCheckpoint:
     """The upstream checkpoint in ``directory`` (a tag directory), described by its loaded ``model_states``.
 
@@ -498,11 +508,7 @@ class UpstreamCheckpoint:
 
     def module_values(self):
         """name -> value of the module's own entries: stages 0-2 the saved module, stage 3 its buffers."""
-        module = self.checkpoint["module"]
-        if not self.per_rank:
-            return dict(module)
-        buffers = set(self.checkpoint.get(C.BUFFER_NAMES) or [])
-        return {name: value for name, value in module.items() if name in buffers}
+        return module_values(self.checkpoint, self.per_rank)
 
 
 def find_model_states(directory):

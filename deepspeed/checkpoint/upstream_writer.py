@@ -168,20 +168,8 @@ class UpstreamTag:
 
     # ----------------------------------------------------------------- stage 0
     def _stage0(self):
-        full, fused = self.full, self.fused
-        hyper = full.groups
         if self.dtype == torch.float32:
-            index = 0
-            sd = {"state": {}, C.PARAM_GROUPS: []}
-            for g, names in enumerate(self.groups):
-                ids = []
-                for name in names:
-                    if full.state.get(name):
-                        sd["state"][index] = _state_entry(full.state[name], fused)
-                    ids.append(index)
-                    index += 1
-                sd[C.PARAM_GROUPS].append(_group_entry(hyper[g], ids, fused))
-            optimizer = sd
+            optimizer = self._per_parameter_state_dict()
         else:
             optimizer = self._stage0_16bit()
         module = OrderedDict(self.module)
@@ -192,6 +180,21 @@ class UpstreamTag:
                                     frozen_param_shapes=None,
                                     shared_params=None,
                                     frozen_param_fragments=None))]
+
+    def _per_parameter_state_dict(self):
+        """A torch optimizer ``state_dict`` with one state entry per parameter, numbered across the groups."""
+        full, fused = self.full, self.fused
+        sd = {"state": {}, C.PARAM_GROUPS: []}
+        index = 0
+        for g, names in enumerate(self.groups):
+            ids = []
+            for name in names:
+                if full.state.get(name):
+                    sd["state"][index] = _state_entry(full.state[name], fused)
+                ids.append(index)
+                index += 1
+            sd[C.PARAM_GROUPS].append(_group_entry(full.groups[g], ids, fused))
+        return sd
 
     def _stage0_16bit(self):
         """Upstream's FP16 optimizer state: fused (one flat master per group) or unfused (one per parameter)."""
@@ -209,8 +212,8 @@ class UpstreamTag:
                 entry["last_overflow_iter"] = int(scale.get("last_overflow_iter", -1))
                 entry["scale_factor"] = 2.0
                 entry["scale_window"] = int(config.get("loss_scale_window", 1000))
-        sd = {"state": {}, C.PARAM_GROUPS: []}
         if fused:
+            sd = {"state": {}, C.PARAM_GROUPS: []}
             flats = []
             for g, names in enumerate(self.groups):
                 numel = sum(full.fp32[n].numel() for n in names)
@@ -225,19 +228,8 @@ class UpstreamTag:
             entry["fp32_groups_flat"] = flats
             entry[C.CLIP_GRAD] = float(self.scaler.get("clip_grad", 0.0))
             return entry
-        index = 0
-        masters = []
-        for g, names in enumerate(self.groups):
-            ids = []
-            for name in names:
-                if full.state.get(name):
-                    sd["state"][index] = _state_entry(full.state[name], fused)
-                ids.append(index)
-                index += 1
-            masters.append([full.fp32[n].clone() for n in names])
-            sd[C.PARAM_GROUPS].append(_group_entry(full.groups[g], ids, fused))
-        entry[C.OPTIMIZER_STATE_DICT] = sd
-        entry[C.FP32_GROUPS] = masters
+        entry[C.OPTIMIZER_STATE_DICT] = self._per_parameter_state_dict()
+        entry[C.FP32_GROUPS] = [[full.fp32[n].clone() for n in names] for names in self.groups]
         return entry
 
     # ------------------------------------------------------------ stages 1, 2
