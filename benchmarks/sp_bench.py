@@ -166,6 +166,9 @@ def _trial(state, args, impl, seq):
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     record = {"seq": seq}
+    tracing = bool(getattr(args, "trace_peak", None)) and device.type == "cuda" and seq == args.compare_at
+    if tracing:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     try:
         record["loss"] = _step(state["engine"], state["model"], state["ulysses"], seq, args.logits_tile,
                                _shape(args)["vocab_size"])
@@ -175,8 +178,73 @@ def _trial(state, args, impl, seq):
         record.update(ok=False, seconds=time.perf_counter() - start, error=str(exc).split("\n")[0][:200])
         _drop(state)
     record["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    record["host_peak_gib"] = _host_peak_gib()
+    if tracing:
+        summary = _trace_summary(torch.cuda.memory._snapshot())
+        torch.cuda.memory._record_memory_history(enabled=None)
+        with open(f"{args.trace_peak}_{impl}_{seq}.json", "w") as f:
+            json.dump(summary, f, indent=1)
     print(json.dumps({"impl": impl, **record}), flush=True)
     return record
+
+
+def _host_peak_gib():
+    """The process's peak resident host memory so far (``ru_maxrss``; the offloaded checkpoints live there)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def project(trials, total_gib, key="peak_gib"):
+    """The length at which the linear fit ``peak = a + b * seq`` through the two longest successful steps reaches
+    ``total_gib``: with flash attention, tiled MLPs, a tiled loss and checkpointed layers every remaining activation
+    is linear in the length, so this is where the search would run out of memory if a step there took no time.
+    None when fewer than two lengths succeeded or the peak does not grow."""
+    ok = {}
+    for rec in trials:
+        if rec.get("ok") and rec.get(key) is not None:
+            ok[rec["seq"]] = max(ok.get(rec["seq"], 0.0), rec[key])
+    if len(ok) < 2 or not total_gib:
+        return None
+    (s0, m0), (s1, m1) = sorted(ok.items())[-2:]
+    slope = (m1 - m0) / (s1 - s0)
+    if slope <= 0:
+        return None
+    return {"seq": int(s1 + (total_gib - m1) / slope), "gib_per_1k_tokens": slope * 1024, "total_gib": total_gib}
+
+
+def _trace_summary(snapshot, top=25):
+    """The allocations live at the peak of a recorded step, grouped by the innermost frame outside torch itself:
+    ``[{where, gib, count}]`` (what ``--trace-peak`` writes). Only what was allocated while recording counts."""
+    events = [e for trace in snapshot.get("device_traces", []) for e in trace]
+    live, current, peak, peak_index = {}, 0, 0, -1
+    for index, event in enumerate(events):  # first pass: when the peak happens
+        if event["action"] == "alloc":
+            live[event["addr"]] = event["size"]
+            current += event["size"]
+            if current > peak:
+                peak, peak_index = current, index
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])
+    live = {}
+    for event in events[:peak_index + 1]:  # second pass: what is live then
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    groups = {}
+    for event in live.values():
+        where = "?"
+        for frame in event.get("frames", []):
+            name = frame.get("filename", "")
+            if "/torch/" in name and "/torch/utils/checkpoint" not in name:
+                continue
+            where = f"{name.split('site-packages/')[-1]}:{frame.get('line')} {frame.get('name')}"
+            break
+        entry = groups.setdefault(where, {"where": where, "gib": 0.0, "count": 0})
+        entry["gib"] += event["size"] / 2**30
+        entry["count"] += 1
+    ranked = sorted(groups.values(), key=lambda g: -g["gib"])[:top]
+    return {"peak_recorded_gib": peak / 2**30, "live_at_peak": ranked}
 
 
 def _drop(state):
@@ -205,11 +273,15 @@ def search(args, impl):
         return time.perf_counter() - began > args.time_budget
 
     good, bad, seq, capped = 0, None, args.start, False
+    last_seconds = None
     while bad is None:
-        if out_of_time() or seq > args.cap:
+        # a doubled length costs about 4x (attention is quadratic): stop before a step that cannot end in time
+        predicted = 4.0 * last_seconds if last_seconds else 0.0
+        if out_of_time() or seq > args.cap or time.perf_counter() - began + predicted > args.time_budget:
             capped = True
             break
         rec = _trial(state, args, impl, seq)
+        last_seconds = rec["seconds"]
         trials.append(rec)
         if rec["ok"]:
             good, seq = seq, seq * 2
@@ -230,7 +302,7 @@ def search(args, impl):
             bad = mid
     compare = args.compare_at or good
     throughput = None
-    if compare:
+    if compare and not args.no_throughput:
         _trial(state, args, impl, compare)  # warm-up at this length
         rec = _trial(state, args, impl, compare)
         if rec["ok"]:
@@ -240,9 +312,14 @@ def search(args, impl):
                 "seconds": rec["seconds"],
                 "peak_gib": rec["peak_gib"]
             }
+    device = _device(args)
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+    host_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {
         "impl": impl,
         "deepspeed": f"{deepspeed.__version__} ({os.path.dirname(deepspeed.__file__)})",
+        "projected_device_limit": project(trials, total),
+        "projected_host_limit": project(trials, host_total, key="host_peak_gib"),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if _device(args).type == "cuda" else "cpu",
         "longest_ok": good,
@@ -332,9 +409,10 @@ def _child(args, impl, compare_at, out):
     else:
         env["PYTHONPATH"] = os.pathsep.join([args.upstream_path, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--out", out]
-    for name in ("start", "cap", "resolution", "time_budget", "logits_tile"):
+    for name in ("start", "cap", "resolution", "time_budget", "logits_tile", "trace_peak"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--no-throughput"] if args.no_throughput else []
     cmd += ["--tied"] if args.tied else []
     cmd += ["--cpu"] if args.cpu else []
     if compare_at:
@@ -374,6 +452,11 @@ def main():
                         help="bytes kept for backward, tiled and not "
                         "(meta device; this package's tools)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test)")
+    parser.add_argument("--no-throughput", action="store_true", help="skip the throughput steps after the search")
+    parser.add_argument("--trace-peak",
+                        default="",
+                        help="path prefix: record the steps at --compare-at and write what is live at their peak "
+                        "(PREFIX_IMPL_SEQ.json)")
     args = parser.parse_args()
     if args.impl == "ours" and _REPO_ROOT not in sys.path:
         sys.path.insert(0, _REPO_ROOT)  # this package, also when run as --impl ours directly
@@ -398,7 +481,8 @@ def main():
         tp = r.get("throughput") or {}
         print(f"{r['impl']:>9}: longest {r['longest_ok']} tokens{' (capped)' if r['capped'] else ''}, first OOM "
               f"{r['first_oom']}; at {tp.get('seq')} tokens: {tp.get('tokens_per_s')} tokens/s, peak "
-              f"{tp.get('peak_gib')} GiB {r.get('error', '')}")
+              f"{tp.get('peak_gib')} GiB; projected limits: device {r.get('projected_device_limit')}, host "
+              f"{r.get('projected_host_limit')} {r.get('error', '')}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,32 @@ def _to_host(t: torch.Tensor, pin_memory: bool) -> torch.Tensor:
     return host
 
 
+def _recording(saved):
+
+    def pack(t):
+        if t.device.type != "meta" and t.layout == torch.strided:
+            saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    return pack
+
+
+def _unpacked(t):
+    return t
+
+
+def _release_unsaved(t: torch.Tensor, kept) -> None:
+    """Free the storage of ``t`` unless it is in ``kept`` (what a saved tensor of the recomputed graph or a host
+    copy uses). The tensor object stays: it is a root or a leaf of the inner backward, which does not read its
+    value."""
+    if t.device.type == "meta" or t.layout != torch.strided:
+        return
+    storage = t.untyped_storage()
+    if storage.nbytes() > 0 and storage.data_ptr() not in kept:
+        kept.add(storage.data_ptr())  # an output listed twice, or aliasing another: freed once
+        storage.resize_(0)
+
+
 class _OffloadedCheckpoint(torch.autograd.Function):
 
     @staticmethod
@@ -55,13 +81,14 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             restored = host.to(device, non_blocking=True).requires_grad_(req)
             args[i] = restored
             inputs.append(restored)
-        ctx.host_inputs = None
+        host_inputs, ctx.host_inputs = ctx.host_inputs, None
         rng_devices = ctx.fwd_devices if ctx.preserve_rng_state else []
         with torch.random.fork_rng(devices=rng_devices, enabled=ctx.preserve_rng_state):
             if ctx.preserve_rng_state:
                 torch.set_rng_state(ctx.cpu_rng)
                 torch_checkpoint.set_device_states(ctx.fwd_devices, ctx.fwd_device_states)
-            with torch.enable_grad():
+            saved = set()  # the storages the recomputed graph keeps for its backward
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_recording(saved), _unpacked):
                 outputs = ctx.run_function(*args)
         if torch.is_tensor(outputs):
             outputs = (outputs, )
@@ -70,6 +97,16 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             if torch.is_tensor(out) and out.requires_grad and grad is not None:
                 roots.append(out)
                 root_grads.append(grad)
+        # The restored inputs and the recomputed outputs are only the ends of the inner backward: unless a node
+        # saved them, their values are not read again, so their device memory (a hidden state each, for a decoder
+        # layer) is released before the backward instead of after it.
+        kept = set(saved)  # and the host copies: on the CPU a "restored" input is the host tensor itself
+        kept.update(h.untyped_storage().data_ptr() for h in host_inputs if h.layout == torch.strided)
+        for t in inputs:
+            _release_unsaved(t, kept)
+        for t in roots:  # a fresh result of the recomputation only (not a leaf, a view or an in-place result)
+            if t.grad_fn is not None and t._base is None and t._version == 0:
+                _release_unsaved(t, kept)
         if roots:
             torch.autograd.backward(roots, root_grads)
         input_grads = [None] * len(args)

@@ -267,7 +267,9 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         weight = 1.0 / len(x_tiles) if output_reduction == "mean" else 1.0
         params = _trainable(compute_params, self) or []
         param_grads = _ParamGrads(params)
-        losses, x_grads = [], []
+        losses, offset = [], 0
+        # each tile's input gradient goes straight into its rows: no list of tiles concatenated at the end
+        x_grad = torch.empty_like(flat_x, memory_format=torch.contiguous_format) if needs_grad else None
         for x_tile, y_tile, m_tile in zip(x_tiles, y_tiles, m_tiles):
             args = (self, _leaf_input(x_tile), y_tile) + ((m_tile, ) if mask is not None else ())
             if not needs_grad:
@@ -279,12 +281,15 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
             from deepspeed.runtime.backward import registry
             with registry.suspended():
                 gx, gp = _tile_grads(loss, torch.full_like(loss, weight), args[1], params)
-            x_grads.append(gx)
+            rows = x_grad.narrow(0, offset, x_tile.shape[0])
+            rows.copy_(gx) if gx is not None else rows.zero_()
+            offset += x_tile.shape[0]
+            del gx
             param_grads.add(gp)
             losses.append(loss.detach())
         stacked = torch.stack([loss.reshape(()) for loss in losses])
         ctx.param_grads = param_grads
-        ctx.x_grad = torch.cat(x_grads, dim=0).view_as(x) if needs_grad else None
+        ctx.x_grad = x_grad.view_as(x) if needs_grad else None
         return stacked.mean() if output_reduction == "mean" else stacked.sum()
 
     @staticmethod
@@ -293,8 +298,8 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         ctx.param_grads.scale(upstream)
         ctx.param_grads.deliver()
         x_grad, ctx.x_grad = ctx.x_grad, None
-        if x_grad is not None:
-            x_grad = x_grad * upstream.to(x_grad.dtype)
+        if x_grad is not None:  # ours alone: scaled in place
+            x_grad.mul_(upstream.to(x_grad.dtype))
         return None, None, x_grad, None, None, None, None, None
 
 
