@@ -101,6 +101,9 @@ def _build(args, impl):
     if impl == "ours":
         from deepspeed.runtime.sequence_parallel.activation_offload import enable_checkpoint_offload
         enable_checkpoint_offload(model)
+        if not args.no_recompute_norms:  # the norms keep only their inputs (runtime/sequence_parallel/recompute.py)
+            from deepspeed.runtime.sequence_parallel.recompute import enable_recompute_in_backward
+            enable_recompute_in_backward(model)
     else:
         # (no pinned memory without a GPU: the CPU smoke test checkpoints without offload)
         model.gradient_checkpointing_enable(offload=_device(args).type == "cuda")
@@ -413,6 +416,7 @@ def _child(args, impl, compare_at, out):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--no-throughput"] if args.no_throughput else []
+    cmd += ["--no-recompute-norms"] if args.no_recompute_norms else []
     cmd += ["--tied"] if args.tied else []
     cmd += ["--cpu"] if args.cpu else []
     if compare_at:
@@ -452,6 +456,9 @@ def main():
                         help="bytes kept for backward, tiled and not "
                         "(meta device; this package's tools)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test)")
+    parser.add_argument("--no-recompute-norms",
+                        action="store_true",
+                        help="this package without enable_recompute_in_backward on the norms")
     parser.add_argument("--no-throughput", action="store_true", help="skip the throughput steps after the search")
     parser.add_argument("--trace-peak",
                         default="",

@@ -134,7 +134,8 @@ def run_case(stage,
              tiled_loss=False,
              gas=1,
              checkpoint_offload=False,
-             variable=False):
+             variable=False,
+             recompute_norms=False):
     """One optimizer step of ``gas`` micro-batches (``gas <= sp``: the adapter's micro-batches in turn)."""
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
@@ -154,6 +155,9 @@ def run_case(stage,
         from deepspeed.runtime.sequence_parallel.activation_offload import enable_checkpoint_offload
         enable_checkpoint_offload(model)
         model.train()
+    if recompute_norms:  # after the reference as well
+        from deepspeed.runtime.sequence_parallel.recompute import enable_recompute_in_backward
+        assert enable_recompute_in_backward(model) > 0
     # variable: each rank's samples of another length (`seq + rank`), which the adapter pads to the group size
     mpu = UlyssesSPAttentionHF.register_with_transformers(model,
                                                           "sdpa",

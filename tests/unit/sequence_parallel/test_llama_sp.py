@@ -55,6 +55,20 @@ def test_llama_sp_with_offloaded_checkpoints_matches_unsharded(world, stage, lor
                     timeout=240)
 
 
+@pytest.mark.parametrize("world,stage,offload", [(2, 3, True), (4, 2, False)])
+def test_llama_sp_with_norms_recomputed_matches_unsharded(world, stage, offload):
+    # RMSNorms rerun in backward (inside the offloaded layer checkpoints or not); stage 3 releases their weights
+    run_distributed(_case,
+                    world,
+                    args=(stage, False, 2),
+                    kwargs={
+                        "recompute_norms": True,
+                        "checkpoint_offload": offload,
+                        "tiled_mlp": True
+                    },
+                    timeout=240)
+
+
 @pytest.mark.parametrize("world,stage", [(2, 0), (2, 3), (4, 3)])
 def test_llama_sp_with_tiled_mlp_and_logits_loss_matches_unsharded(world, stage):
     run_distributed(_case, world, args=(stage, False, 2), kwargs={"tiled_mlp": True, "tiled_loss": True}, timeout=240)
