@@ -57,6 +57,11 @@ class EngineOptimizer(ZeROOptimizer):
         return self.optimizer.state
 
     @property
+    def speculative_stats(self):
+        """Counters of speculative offloaded steps (``offload_optimizer.super_offload``), or None without them."""
+        return getattr(self.stage, "speculative_stats", None)
+
+    @property
     def defaults(self):
         return self.optimizer.defaults
 
