@@ -39,6 +39,7 @@ norm falls below the threshold. :attr:`SpeculativeStep.stats` counts it all (``e
 """
 
 import math
+import time
 
 import torch
 
@@ -157,7 +158,6 @@ class SpeculativeStep:
                 return
             delay = StepPipeline.piece_delay
             if delay:
-                import time
                 time.sleep(delay)
             spec.touched.append(step_piece)
             with ds_range("DS::speculative_piece"):

@@ -56,9 +56,11 @@ def _train(super_offload,
            bucket=40,
            clip_at=(),
            inf_at=(),
-           lr_change_at=()):
+           lr_change_at=(),
+           twice=False):
     """Train; ``clip_at``: steps whose clipping threshold is far below the norm, ``inf_at``: steps whose boundary
-    loss is infinite, ``lr_change_at``: steps whose LR is halved between the boundary backward and ``step()``."""
+    loss is infinite, ``lr_change_at``: steps whose LR is halved between the boundary backward and ``step()``;
+    ``twice``: the boundary micro-step runs a second forward and backward (more gradient for final buckets)."""
     os.environ["DS_OFFLOAD_OVERLAP"] = "1"
     StepPipeline.piece_delay = delay
     try:
@@ -105,6 +107,9 @@ def _train(super_offload,
                 if boundary and step in inf_at:
                     loss = loss * float("inf")
                 engine.backward(loss)
+                if boundary and twice:
+                    x2 = torch.randn(2, 7, generator=gen).to(model_dtype)
+                    engine.backward(engine(x2).float().square().mean())
                 if boundary and step in clip_at:
                     engine.optimizer.gradient_clipping = 1e-3
                 if boundary and step in lr_change_at:
@@ -192,6 +197,21 @@ def test_forced_rollback_world1(case, dtype):
 @pytest.mark.parametrize("case,dtype", [("clip_at", "bf16"), ("inf_at", "fp16")])
 def test_forced_rollback_world2(case, dtype):
     assert run_distributed(_forced_rollbacks, 2, args=(2, 1, dtype, case), timeout=240) == [True, True]
+
+
+def _second_backward():
+    """A second backward in the boundary micro-step folds into pieces already stepped: rolled back at once."""
+    kwargs = dict(stage=2, gas=1, steps=3, twice=True)
+    exact = _train(False, **kwargs)
+    spec = _train(True, delay=0.005, **kwargs)
+    _assert_same(exact, spec)
+    stats = spec[4]
+    assert stats["rolled_back"] == 3 and stats["reasons"]["regradient"] == 3 and stats["kept"] == 0, stats
+    return True
+
+
+def test_second_backward_rolls_back():
+    assert run_distributed(_second_backward, 1, timeout=180) == [True]
 
 
 def _always_clipping():
