@@ -10,7 +10,8 @@ step starts earlier, betting that the step will neither clip nor overflow:
   over). The bucket's piece is then queued on the host step's worker, which waits for that fold and steps the
   piece with clipping coefficient 1, using the scalars (learning rate, betas, eps, weight decay, step count)
   read when the boundary backward folded its first bucket. Backward finalises buckets last layers first; the
-  pieces are stepped in that order as they arrive, and go on being stepped while ``step()`` computes the norm.
+  pieces are stepped in that order as they arrive; the ones still waiting when the backward ends are stepped in
+  forward order (first layers first), still speculatively, while ``step()`` computes the norm.
   Nothing is uploaded yet: the device parameters stay the ones this window's forward and backward read
   (tied parameters, hooks and the norm see no half-updated weights), and the uploads, collectives included,
   are issued by the verdict on the caller's thread, in the same order on every rank as the exact step.
@@ -39,6 +40,7 @@ norm falls below the threshold. :attr:`SpeculativeStep.stats` counts it all (``e
 """
 
 import math
+import threading
 import time
 
 import torch
@@ -77,6 +79,8 @@ class _Speculation:
         self.steps_before = steps_before  # group -> its state's step count before this step was counted
         self.created = created  # groups whose optimizer state this speculation created
         self.queued = set()  # keys of the gradient pieces queued
+        self.waiting = {}  # bucket index -> (StepPiece, wait for its fold): queued, not yet taken by the worker
+        self.lock = threading.Lock()
         self.touched = []  # StepPieces whose step began (appended on the worker, before the op writes)
         self.cancelled = False
 
@@ -93,8 +97,9 @@ class SpeculativeStep:
         for bucket in layout.buckets:
             dest = layout.bucket_part(stage.geometry.grad_parts[bucket.group], bucket)
             if dest.numel():
-                self._pieces[(dest.data_ptr(), dest.numel())] = StepPiece(bucket.group, bucket.part_offset,
-                                                                          bucket.chunk)
+                self._pieces[(dest.data_ptr(), dest.numel())] = (bucket.index,
+                                                                 StepPiece(bucket.group, bucket.part_offset,
+                                                                           bucket.chunk))
         self._backups = None
         self._active = None
         self._closed_window = False  # this window speculates no more (spoiled, or the policy said no)
@@ -141,18 +146,25 @@ class SpeculativeStep:
                 return
             spec = self._open()
         key = self._key(piece)
-        step_piece = self._pieces.get(key)
-        if step_piece is None or step_piece.group not in spec.prepared:
+        found = self._pieces.get(key)
+        if found is None or found[1].group not in spec.prepared:
             return
         spec.queued.add(key)
-        entry = spec.prepared[step_piece.group]
-        backup = self._backups[step_piece.group]
-        wait = getattr(done, "wait_done", None) or done.synchronize
+        with spec.lock:
+            spec.waiting[found[0]] = (found[1], getattr(done, "wait_done", None) or done.synchronize)
         pipeline = self.pipeline
+        backward = self.stage.pipeline
 
         def run():
+            # One queued piece per task; which one is chosen when the worker gets to it: during the backward the
+            # oldest (buckets become final last layers first), after it the first in forward order.
             if spec.cancelled:
                 return
+            with spec.lock:
+                if not spec.waiting:
+                    return
+                index = min(spec.waiting) if backward.phase is Phase.BACKWARD else max(spec.waiting)
+                step_piece, wait = spec.waiting.pop(index)
             wait()  # the fold's copy and add completed: the piece holds the window's gradient
             if spec.cancelled:
                 return
@@ -161,7 +173,8 @@ class SpeculativeStep:
                 time.sleep(delay)
             spec.touched.append(step_piece)
             with ds_range("DS::speculative_piece"):
-                pipeline.step_host_piece(entry, step_piece, 1.0, backup)
+                pipeline.step_host_piece(spec.prepared[step_piece.group], step_piece, 1.0,
+                                         self._backups[step_piece.group])
 
         pipeline.host_worker().submit(run)
 
