@@ -263,6 +263,14 @@ def _read_before_step():
         stats = engine.optimizer.speculative_stats
         assert stats["rolled_back"] == 1 and stats["reasons"]["read"] == 1, stats
         engine.step()
+        # the optimizer's state_dict between a boundary backward and step() shows the state before the step
+        saved = engine.optimizer.state_dict()["optimizer"]["state"]
+        steps_before = sorted(float(s["step"]) for s in saved.values())
+        engine.backward(engine(torch.randn(2, 7, dtype=torch.bfloat16)).float().square().mean())
+        saved = engine.optimizer.state_dict()["optimizer"]["state"]
+        assert sorted(float(s["step"]) for s in saved.values()) == steps_before
+        assert stats["reasons"]["read"] == 2, stats
+        engine.step()
         assert not torch.equal(safe_get_full_fp32_param(model.head.weight), before)
         engine.destroy()
         return True
