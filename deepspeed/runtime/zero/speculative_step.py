@@ -39,6 +39,7 @@ clip threshold at every step, one step speculates and rolls back, the next ones 
 norm falls below the threshold. :attr:`SpeculativeStep.stats` counts it all (``engine.optimizer.speculative_stats``).
 """
 
+import logging
 import math
 import threading
 import time
@@ -197,8 +198,9 @@ class SpeculativeStep:
             return None
         self.stats["kept"] += 1
         self.stats["pieces_early"] += len(spec.touched)
-        logger.debug(f"super_offload: step kept, {len(spec.touched)} of {len(self._pieces)} pieces stepped early; "
-                     f"{self.stats}")
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(f"super_offload: step kept, {len(spec.touched)} of {len(self._pieces)} pieces stepped early; "
+                         f"{self.stats}")
         return spec.prepared, {(p.group, p.start) for p in spec.touched}
 
     def overflow(self):
@@ -299,4 +301,5 @@ class SpeculativeStep:
         self.stats["rolled_back"] += 1
         self.stats["pieces_rolled_back"] += len(spec.touched)
         self.stats["reasons"][reason] += 1
-        logger.debug(f"super_offload: rolled back ({reason}), {len(spec.touched)} pieces restored; {self.stats}")
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(f"super_offload: rolled back ({reason}), {len(spec.touched)} pieces restored; {self.stats}")

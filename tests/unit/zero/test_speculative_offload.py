@@ -62,6 +62,8 @@ def _train(super_offload,
     loss is infinite, ``lr_change_at``: steps whose LR is halved between the boundary backward and ``step()``;
     ``twice``: the boundary micro-step runs a second forward and backward (more gradient for final buckets)."""
     os.environ["DS_OFFLOAD_OVERLAP"] = "1"
+    if dtype == "fp32":  # an fp32 model is pipelined only on the host op
+        os.environ["DS_NATIVE_CPU_ADAM"] = "1"
     StepPipeline.piece_delay = delay
     try:
         torch.manual_seed(7)
@@ -88,9 +90,9 @@ def _train(super_offload,
         }
         if dtype == "bf16":
             config["bf16"] = {"enabled": True}
-        else:
+        elif dtype == "fp16":
             config["fp16"] = {"enabled": True, "initial_scale_power": 8}
-        model_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+        model_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
         engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
         stage_obj = engine._stage
         assert stage_obj.host_step.pipeline is not None
@@ -134,6 +136,7 @@ def _train(super_offload,
     finally:
         StepPipeline.piece_delay = 0.0
         os.environ.pop("DS_OFFLOAD_OVERLAP", None)
+        os.environ.pop("DS_NATIVE_CPU_ADAM", None)
 
 
 def _assert_same(exact, speculative):
@@ -161,7 +164,7 @@ def _nothing_rolls_back(stage, gas, dtype, clip):
 
 
 @pytest.mark.parametrize("stage,gas,dtype,clip", [(2, 1, "bf16", 1e6), (2, 2, "bf16", 0.0), (1, 2, "bf16", 1e6),
-                                                  (2, 2, "fp16", 1e6)])
+                                                  (2, 2, "fp16", 1e6), (2, 2, "fp32", 1e6)])
 def test_nothing_rolls_back_world1(stage, gas, dtype, clip):
     assert run_distributed(_nothing_rolls_back, 1, args=(stage, gas, dtype, clip), timeout=240) == [True]
 
