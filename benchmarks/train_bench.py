@@ -210,11 +210,15 @@ def bench_system(name, args, cfg, data, device):
         peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
         if args.idle_steps > 0:
             idle = measure_idle(name, system, data[-args.idle_steps:], device, args.profile_dir)
+        # super_offload: steps speculated, kept and rolled back (with reasons), or None
+        speculative = getattr(getattr(getattr(system, "engine", None), "optimizer", None), "speculative_stats", None)
+        speculative = json.loads(json.dumps(speculative)) if speculative is not None else None
     finally:
         system.close()
     return dict(step_times=step_times,
                 losses=losses,
                 grad_norms=grad_norms,
+                speculative_stats=speculative,
                 peak_mem_gib=peak,
                 setup_peak_mem_gib=setup_peak,
                 idle=idle)
@@ -326,6 +330,7 @@ def run_one(name, args, cfg, data, device, world):
                setup_peak_mem_gib=max((g[0]["setup_peak_mem_gib"] or 0.0) for g in gathered) or None,
                losses=losses,
                grad_norms=gathered[0][0].get("grad_norms"),
+               speculative_stats=gathered[0][0].get("speculative_stats"),
                first_loss=losses[0],
                final_loss=losses[-1])
     if device.type == "cuda":

@@ -19,6 +19,10 @@
 // dtypes, sizes and contiguity and passes raw addresses: this file needs no torch headers, so it compiles in
 // seconds and does not depend on torch's C++ ABI. A rejected argument is reported by returning its message
 // (empty on success), not by a C++ exception, as in csrc/grad_ops.
+//
+// Optional backup buffers receive each element's parameter, moments and previous 16-bit copy as read, before the
+// update, in the same pass: a speculative step (one that starts before the gradient norm is known) can then be
+// undone bit for bit without a pass of its own over the state.
 
 #include <pybind11/pybind11.h>
 
@@ -49,6 +53,10 @@ struct AdamArgs {
     float* exp_avg;
     float* exp_avg_sq;
     uint16_t* out;  // bf16 or fp16 bits, or null
+    float* backup_param;  // the values before the step (a speculative step's rollback), or all null
+    float* backup_exp_avg;
+    float* backup_exp_avg_sq;
+    uint16_t* backup_out;  // the previous bits of ``out`` (with ``out``), or null
     int64_t numel;
     float one_minus_beta1;
     float beta2;
@@ -85,10 +93,14 @@ inline uint16_t to_float16(float value)
 #endif
 }
 
-template <bool kL2, int kOut>
+template <bool kL2, int kOut, bool kBackup>
 void adam_pass(const AdamArgs& a)
 {
     float* __restrict__ param = a.param;
+    float* __restrict__ backup_param = a.backup_param;
+    float* __restrict__ backup_exp_avg = a.backup_exp_avg;
+    float* __restrict__ backup_exp_avg_sq = a.backup_exp_avg_sq;
+    uint16_t* __restrict__ backup_out = a.backup_out;
     const float* __restrict__ grad = a.grad;
     float* __restrict__ exp_avg = a.exp_avg;
     float* __restrict__ exp_avg_sq = a.exp_avg_sq;
@@ -101,6 +113,12 @@ void adam_pass(const AdamArgs& a)
 #pragma omp parallel for simd num_threads(a.threads) schedule(simd : static)
     for (int64_t i = 0; i < numel; ++i) {
         float p = param[i];
+        if (kBackup) {
+            backup_param[i] = p;
+            backup_exp_avg[i] = exp_avg[i];
+            backup_exp_avg_sq[i] = exp_avg_sq[i];
+            if (kOut != kNoCopy) backup_out[i] = out[i];
+        }
         float g = grad[i] * grad_scale;
         if (kL2) g = g + weight_decay * p;
         p = p * decay_factor;
@@ -118,14 +136,23 @@ void adam_pass(const AdamArgs& a)
     }
 }
 
-template <bool kL2>
+template <bool kL2, bool kBackup>
 void dispatch_out(const AdamArgs& a, int out_kind)
 {
     switch (out_kind) {
-        case kNoCopy: adam_pass<kL2, kNoCopy>(a); break;
-        case kBFloat16: adam_pass<kL2, kBFloat16>(a); break;
-        default: adam_pass<kL2, kFloat16>(a); break;
+        case kNoCopy: adam_pass<kL2, kNoCopy, kBackup>(a); break;
+        case kBFloat16: adam_pass<kL2, kBFloat16, kBackup>(a); break;
+        default: adam_pass<kL2, kFloat16, kBackup>(a); break;
     }
+}
+
+template <bool kL2>
+void dispatch_backup(const AdamArgs& a, int out_kind)
+{
+    if (a.backup_param != nullptr)
+        dispatch_out<kL2, true>(a, out_kind);
+    else
+        dispatch_out<kL2, false>(a, out_kind);
 }
 
 // Below this many elements a step runs on the calling thread: starting the team costs more than it saves.
@@ -147,15 +174,28 @@ std::string adam_step(uintptr_t param,
                uintptr_t out,
                int out_kind,
                int threads,
-               double grad_scale)
+               double grad_scale,
+               uintptr_t backup_param,
+               uintptr_t backup_exp_avg,
+               uintptr_t backup_exp_avg_sq,
+               uintptr_t backup_out)
 {
     if (numel < 0) return "cpu_adam: numel must be >= 0";
     if (out_kind < kNoCopy || out_kind > kFloat16) return "cpu_adam: unknown output kind";
     if (out_kind == kFloat16 && !kHasFloat16) return "cpu_adam: this build has no float16 conversion";
     if (out_kind != kNoCopy && out == 0) return "cpu_adam: an output kind without a buffer";
     if (param == 0 || grad == 0 || exp_avg == 0 || exp_avg_sq == 0) return numel == 0 ? "" : "cpu_adam: a null buffer";
+    const bool backup = backup_param != 0 || backup_exp_avg != 0 || backup_exp_avg_sq != 0 || backup_out != 0;
+    if (backup && (backup_param == 0 || backup_exp_avg == 0 || backup_exp_avg_sq == 0))
+        return "cpu_adam: a backup needs the parameter's and both moments' buffers";
+    if (backup && (out_kind != kNoCopy) != (backup_out != 0))
+        return "cpu_adam: a backup with an output kind needs the output's backup buffer (and only then)";
     if (numel == 0) return "";
     AdamArgs a;
+    a.backup_param = reinterpret_cast<float*>(backup_param);
+    a.backup_exp_avg = reinterpret_cast<float*>(backup_exp_avg);
+    a.backup_exp_avg_sq = reinterpret_cast<float*>(backup_exp_avg_sq);
+    a.backup_out = reinterpret_cast<uint16_t*>(backup_out);
     a.param = reinterpret_cast<float*>(param);
     a.grad = reinterpret_cast<const float*>(grad);
     a.exp_avg = reinterpret_cast<float*>(exp_avg);
@@ -173,9 +213,9 @@ std::string adam_step(uintptr_t param,
     a.grad_scale = static_cast<float>(grad_scale);
     a.threads = (numel < kSerialBelow || threads < 1) ? 1 : threads;
     if (!adamw_mode && weight_decay != 0.0)
-        dispatch_out<true>(a, out_kind);
+        dispatch_backup<true>(a, out_kind);
     else
-        dispatch_out<false>(a, out_kind);
+        dispatch_backup<false>(a, out_kind);
     return "";
 }
 
@@ -213,7 +253,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           py::arg("out_kind"),
           py::arg("threads"),
           py::arg("grad_scale") = 1.0,
+          py::arg("backup_param") = 0,
+          py::arg("backup_exp_avg") = 0,
+          py::arg("backup_exp_avg_sq") = 0,
+          py::arg("backup_out") = 0,
           py::call_guard<py::gil_scoped_release>());
+    m.def("has_backup", []() { return true; }, "Whether adam_step takes backup buffers (a speculative step's rollback)");
     m.def("has_float16", []() { return kHasFloat16; }, "Whether float16 output is available");
     m.def("max_threads", &max_threads, "OpenMP's default team size");
 }

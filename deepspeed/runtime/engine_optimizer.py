@@ -57,6 +57,11 @@ class EngineOptimizer(ZeROOptimizer):
         return self.optimizer.state
 
     @property
+    def speculative_stats(self):
+        """Counters of speculative offloaded steps (``offload_optimizer.super_offload``), or None without them."""
+        return getattr(self.stage, "speculative_stats", None)
+
+    @property
     def defaults(self):
         return self.optimizer.defaults
 
@@ -89,7 +94,18 @@ class EngineOptimizer(ZeROOptimizer):
         self.stage.zero_window()
         return applied
 
+    def _settle_step(self):
+        """Before the inner optimizer's state is read or replaced: an offloaded step still running completes, and a
+        speculative one (``super_offload``) not yet decided is undone."""
+        speculative = getattr(self.stage, "speculative", None)
+        if speculative is not None:
+            speculative.before_read()
+        host_step = getattr(self.stage, "host_step", None)
+        if host_step is not None:
+            host_step.finish()
+
     def state_dict(self):
+        self._settle_step()
         return {
             "optimizer": self.optimizer.state_dict(),
             "loss_scaler": self.loss_scaler.state_dict(),
@@ -97,6 +113,7 @@ class EngineOptimizer(ZeROOptimizer):
         }
 
     def load_state_dict(self, state_dict, load_optimizer_states=True):
+        self._settle_step()
         if "optimizer" not in state_dict:  # a plain torch optimizer state dict
             self.optimizer.load_state_dict(state_dict)
             return

@@ -336,5 +336,89 @@ def main(argv):
     return 1 if failed else 0
 
 
+# Speculative steps (offload_optimizer.super_offload) against the exact pipelined step: same bits after every step.
+SPECULATIVE_CASES = {
+    "z2-gas2-noclip": dict(stage=2, gas=2, clip=1e6, zero={"offload_optimizer": PIN}),
+    "z2-gas1-clip1": dict(stage=2, gas=1, clip=1.0, zero={"offload_optimizer": PIN}),
+    "z1-gas2-fp16-noclip": dict(stage=1, gas=2, clip=1e6, dtype="fp16", zero={"offload_optimizer": PIN}),
+    "z2-gas2-pageable-noclip": dict(stage=2, gas=2, clip=1e6, zero={"offload_optimizer": PAGEABLE}),
+}
+
+
+def _train_speculative(case, device, super_offload, steps=5):
+    import deepspeed
+    cfg = _config(case)
+    cfg["gradient_clipping"] = case["clip"]
+    cfg["zero_optimization"]["offload_optimizer"] = dict(cfg["zero_optimization"]["offload_optimizer"],
+                                                         super_offload=super_offload)
+    torch.manual_seed(0)
+    model = _Model()
+    history = []
+    with _environment({"DS_OFFLOAD_OVERLAP": "1", "DS_OFFLOAD_SYNC": "0"}):
+        engine = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)[0]
+        try:
+            for step in range(steps):
+                for micro in range(case["gas"]):
+                    gen = torch.Generator().manual_seed(100 * step + micro)
+                    tokens = torch.randint(0, 64, (4, 16), generator=gen).to(device)
+                    loss = F.cross_entropy(engine(tokens).float().reshape(-1, 64), tokens.roll(1, 1).reshape(-1))
+                    engine.backward(loss)
+                    engine.step()
+                stage = engine._stage
+                stage._masters_current()
+                entry = [v.detach().float().cpu().clone() for v in engine.module.state_dict().values()]
+                entry += [m.detach().cpu().clone() for m in stage.masters]
+                for master in stage.masters:
+                    state = stage.optimizer.state.get(master, {})
+                    entry += [state[k].detach().cpu().clone() for k in ("exp_avg", "exp_avg_sq") if k in state]
+                history.append(entry)
+            stats = engine.optimizer.speculative_stats
+        finally:
+            engine.destroy()
+    return history, stats
+
+
+def check_speculative(name):
+    """super_offload (speculative steps, rolled back when the step clips) against the exact pipelined step."""
+    from deepspeed.runtime.zero.step_pipeline import StepPipeline
+    case = SPECULATIVE_CASES[name]
+    device = _device()
+    exact, none = _train_speculative(case, device, False)
+    assert none is None
+    StepPipeline.piece_delay = 0.002
+    try:
+        tested, stats = _train_speculative(case, device, True)
+    finally:
+        StepPipeline.piece_delay = 0.0
+    for step, (a, b) in enumerate(zip(tested, exact)):
+        assert len(a) == len(b), f"{name}: step {step}: {len(a)} tensors against {len(b)}"
+        for index, (x, y) in enumerate(zip(a, b)):
+            if not torch.equal(x, y):
+                diff = (x.float() - y.float()).abs().max().item()
+                raise AssertionError(f"{name}: step {step} tensor {index} differs from the exact step "
+                                     f"(max abs diff {diff:g}); {stats}")
+    assert stats["boundary_steps"] == len(exact), stats
+    if case["clip"] > 1e3:  # nothing can clip: every step speculated and kept
+        assert stats["kept"] == len(exact) and stats["rolled_back"] == 0 and stats["pieces_early"] > 0, stats
+    assert any(not torch.equal(x, y) for x, y in zip(exact[0], exact[-1])), f"{name}: nothing trained"
+    return (f"{len(tested)} steps identical; kept {stats['kept']}, rolled back {stats['rolled_back']} "
+            f"{ {k: v for k, v in stats['reasons'].items() if v} }, not speculated {stats['not_speculated']}, "
+            f"pieces early {stats['pieces_early']}")
+
+
+SPECULATIVE_ENTRIES = [("speculative-" + n, check_speculative, n) for n in SPECULATIVE_CASES]
+ALL += SPECULATIVE_ENTRIES
+
+
+@pytest.mark.parametrize("case_id", [c[0] for c in SPECULATIVE_ENTRIES])
+def test_speculative_offload(case_id):
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    _init()
+    _, fn, arg = next(c for c in ALL if c[0] == case_id)
+    fn(arg)
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -87,18 +87,42 @@ def begin_step(group, param, state):
         if not _flat_cpu_fp32(moment) or moment.numel() != param.numel():
             raise ValueError("host Adam: the moments must be contiguous float32 CPU tensors shaped like the parameter")
     state["step"] += 1
-    step = float(state["step"])
+    return step_scalars(group, float(state["step"]))
+
+
+def step_scalars(group, step):
+    """The scalars :func:`step_piece` takes for step number ``step`` of ``group`` (what :func:`begin_step` returns
+    after counting that step): compare two of them to know whether two steps use the same update."""
     beta1, beta2 = group["betas"]
     return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
             bool(group["decoupled_weight_decay"]), 1.0 - beta1**step, math.sqrt(1.0 - beta2**step))
 
 
-def step_piece(op, group, scalars, param, grad, state, start, length, out=None, grad_scale=1.0, threads=None):
+def step_piece(op,
+               group,
+               scalars,
+               param,
+               grad,
+               state,
+               start,
+               length,
+               out=None,
+               grad_scale=1.0,
+               threads=None,
+               backup=None):
     """Update elements ``[start, start + length)`` of ``param`` (and its moments, and of ``out`` if given) with the
-    scalars of :func:`begin_step`; ``threads``: OpenMP threads (default: torch's intra-op count)."""
+    scalars of :func:`begin_step`; ``threads``: OpenMP threads (default: torch's intra-op count).
+
+    ``backup`` (a :class:`StepBackup` shaped like ``param``) receives the same elements of ``param``, of the moments
+    and of ``out`` as they were before the update, in the op's pass where it takes them (``has_backup``), else by
+    copies first: :meth:`StepBackup.restore` undoes the update bit for bit.
+    """
     if length <= 0:
         return
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    in_pass = backup is not None and _op_backs_up(op)
+    if backup is not None and not in_pass:  # the torch fallback: the same bits, one copy pass first
+        backup.save(param, state, out, start, length)
     lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1, bias_correction2_sqrt = scalars
 
     def at(tensor):
@@ -107,6 +131,53 @@ def step_piece(op, group, scalars, param, grad, state, start, length, out=None, 
     error = op.adam_step(at(param), at(grad), at(exp_avg), at(exp_avg_sq), int(length), lr, beta1, beta2, eps,
                          weight_decay, decoupled, bias_correction1, bias_correction2_sqrt,
                          0 if out is None else at(out), 0 if out is None else _OUT_KINDS[out.dtype],
-                         int(threads or torch.get_num_threads()), float(grad_scale))
+                         int(threads or torch.get_num_threads()), float(grad_scale),
+                         *(backup.addresses(out, start) if in_pass else (0, 0, 0, 0)))
     if error:  # the op reports a rejected argument by its message (no C++ exception crosses the extension)
         raise ValueError(error)
+
+
+def _op_backs_up(op):
+    has = getattr(op, "has_backup", None)
+    return bool(has is not None and has())
+
+
+class StepBackup:
+    """Buffers for the values a step overwrites (``param``, both moments, the 16-bit copy ``out``), shaped like
+    ``param``, allocated once: what a speculative step restores when it is rolled back (:func:`step_piece`)."""
+
+    def __init__(self, param, out_dtype=None):
+        numel = param.numel()
+        self.param = torch.empty(numel, dtype=torch.float32)
+        self.exp_avg = torch.empty(numel, dtype=torch.float32)
+        self.exp_avg_sq = torch.empty(numel, dtype=torch.float32)
+        self.out = torch.empty(numel, dtype=out_dtype) if out_dtype is not None else None
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in (self.param, self.exp_avg, self.exp_avg_sq, self.out)
+                   if t is not None)
+
+    def addresses(self, out, start):
+
+        def at(tensor):
+            return tensor.data_ptr() + start * tensor.element_size()
+
+        if out is not None and (self.out is None or self.out.dtype != out.dtype):
+            raise ValueError("StepBackup: no buffer for the 16-bit copy of this dtype")
+        return (at(self.param), at(self.exp_avg), at(self.exp_avg_sq), at(self.out) if out is not None else 0)
+
+    def save(self, param, state, out, start, length):
+        """Copy elements ``[start, start + length)`` of what a step overwrites into the backup."""
+        pairs = [(self.param, param), (self.exp_avg, state["exp_avg"]), (self.exp_avg_sq, state["exp_avg_sq"])]
+        if out is not None:
+            pairs.append((self.out, out))
+        for dst, src in pairs:
+            dst.narrow(0, start, length).copy_(src.narrow(0, start, length))
+
+    def restore(self, param, state, out, start, length):
+        """Put elements ``[start, start + length)`` back as they were before the step that saved them."""
+        pairs = [(param, self.param), (state["exp_avg"], self.exp_avg), (state["exp_avg_sq"], self.exp_avg_sq)]
+        if out is not None:
+            pairs.append((out, self.out))
+        for dst, src in pairs:
+            dst.narrow(0, start, length).copy_(src.narrow(0, start, length))

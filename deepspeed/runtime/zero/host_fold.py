@@ -82,6 +82,10 @@ class HostFolder:
         self.folds = 0  # folds since the last new_window (tests read it)
         # Called before the partitions are written or read (an offloaded step still reading them finishes first).
         self.barrier = None
+        # Speculative steps (``speculative_step``): ``before_fold(piece)`` replaces ``barrier`` before a fold, and
+        # ``after_fold(piece, done)`` learns when the folds of ``piece`` issued so far complete (``done``).
+        self.before_fold = None
+        self.after_fold = None
 
     @staticmethod
     def _key(piece):
@@ -115,7 +119,9 @@ class HostFolder:
         numel = piece.numel()
         if numel == 0:
             return DONE
-        if self.barrier is not None:
+        if self.before_fold is not None:
+            self.before_fold(piece)
+        elif self.barrier is not None:
             self.barrier()
         key = self._key(piece)
         fresh = key not in self._written
@@ -127,15 +133,19 @@ class HostFolder:
                 self._pending.append(copied)
                 while len(self._pending) > self._max_pending:
                     self._pending.popleft().synchronize()
-                return copied
-            ring = self._ring(chunk.dtype)
-            flat_piece, flat_chunk = piece.reshape(-1), chunk.reshape(-1)
-            for start in range(0, numel, ring.numel):
-                length = min(ring.numel, numel - start)
-                index, buffer = ring.take(length)
-                copied = self.transfers.copy(buffer, flat_chunk.narrow(0, start, length))
-                target = flat_piece.narrow(0, start, length)
-                ring.used_by(index, self.worker.submit(_host_fold_task(copied, target, buffer, fresh)))
+                done = copied
+            else:
+                ring = self._ring(chunk.dtype)
+                flat_piece, flat_chunk = piece.reshape(-1), chunk.reshape(-1)
+                for start in range(0, numel, ring.numel):
+                    length = min(ring.numel, numel - start)
+                    index, buffer = ring.take(length)
+                    copied = self.transfers.copy(buffer, flat_chunk.narrow(0, start, length))
+                    target = flat_piece.narrow(0, start, length)
+                    done = self.worker.submit(_host_fold_task(copied, target, buffer, fresh))
+                    ring.used_by(index, done)  # the worker runs in order: the last add completes the piece
+        if self.after_fold is not None:
+            self.after_fold(piece, done)
         return copied
 
     def settle(self):

@@ -73,6 +73,10 @@ class HostTask:
     def done(self):
         return self._event.is_set()
 
+    def wait_done(self):
+        """Block until it ran, leaving an error it raised to ``synchronize()`` or the worker's ``drain()``."""
+        self._event.wait()
+
 
 class HostWorker:
     """One background thread running submitted callables in order (see the module docstring)."""

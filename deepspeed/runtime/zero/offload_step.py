@@ -191,9 +191,12 @@ class HostStep:
         self.fresh = True
 
     @torch.no_grad()
-    def step_and_gather(self, layout, flat_params, group, grad_scale=1.0, background=False):
+    def step_and_gather(self, layout, flat_params, group, grad_scale=1.0, background=False, begun=None):
         """Stages 1/2, pipelined (needs :attr:`pipeline`): step each bucket's piece in the order the forward needs
         them (last bucket first), upload it and all-gather it as soon as it is stepped.
+
+        ``begun`` (``(prepared, stepped)``: the step's counted scalars and the ``(group, start)`` of pieces already
+        stepped, a speculative step's that the verdict kept) continues that step: those pieces are only sent.
 
         With ``background`` (one rank only: a collective must not be issued from the worker thread) the call
         returns at once; :meth:`wait_for_piece` and :meth:`finish` wait. Piece ``i`` is bucket
@@ -224,8 +227,10 @@ class HostStep:
                 if (lo, hi) != (bucket.part_offset, bucket.part_offset + bucket.chunk):
                     raise ValueError("HostStep.step_and_gather: a device range must hold whole buckets")
                 pieces.append(StepPiece(bucket.group, lo, hi - lo, send, on_device=dev))
+        prepared, stepped = begun if begun is not None else (None, ())
+        stepped = [i for i, piece in enumerate(pieces) if (piece.group, piece.start) in stepped]
         with ds_range("DS::host_step"):
-            self.pipeline.launch(pieces, grad_scale, background=background)
+            self.pipeline.launch(pieces, grad_scale, background=background, prepared=prepared, stepped=stepped)
         self._reading = _StreamDone(transfers)
         self.fresh = False
 

@@ -33,6 +33,7 @@ from deepspeed.runtime.zero.partition_layout import PartitionedLayout
 from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import PartitionGeometry
+from deepspeed.runtime.zero.speculative_step import SpeculativeStep
 from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
 from deepspeed.utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER
 
@@ -89,10 +90,20 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                                       pin_memory=config.pin_memory,
                                       cores_perc=config.cpu_cores_perc)
 
+        if config.super_offload and not (self.host_step is not None and self.host_step.pipeline is not None
+                                         and config.accum_dtype == torch.float32):
+            self.release()
+            raise NotImplementedError(
+                "offload_optimizer.super_offload needs the pipelined offloaded step: DeepSpeedCPUAdam on the host "
+                "Adam op (a C++ compiler), a bf16/fp16 model (fp32 only with DS_NATIVE_CPU_ADAM=1), float32 "
+                "gradient accumulation and DS_OFFLOAD_OVERLAP not 0; see docs/offload.md")
         self.zenflow = ZenFlowStep(self, config.zenflow) if config.zenflow is not None else None
         self._forward_waits = PieceWaits(self, module) if self._pipelined() and self.world_size == 1 else None
+        self.speculative = None
         if self._pipelined():
             geometry.folder.barrier = self.host_step.finish  # the next backward writes what the step reads
+            if config.super_offload:  # the step starts in the boundary backward (its own folder hooks)
+                self.speculative = SpeculativeStep(self)
 
     def _pipelined(self):
         """Whether the offloaded step runs bucket by bucket with its uploads (see ``offload_step``)."""
@@ -111,11 +122,14 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
             return
         if self._pipelined():
             with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
+                grad_scale = self._take_grad_scale()
+                begun = self.speculative.verdict(grad_scale) if self.speculative is not None else None
                 self.host_step.step_and_gather(self.layout,
                                                self.flat_params,
                                                self.group,
-                                               grad_scale=self._take_grad_scale(),
-                                               background=self._forward_waits is not None)
+                                               grad_scale=grad_scale,
+                                               background=self._forward_waits is not None,
+                                               begun=begun)
             return
         with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
             attached = self._attach_step_grads()
@@ -142,6 +156,22 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         if self.zenflow is not None:
             self.zenflow.before_step()
 
+    def found_overflow(self):
+        overflow = super().found_overflow()
+        if overflow and self.speculative is not None:
+            self.speculative.overflow()
+        return overflow
+
+    def zero_window(self):
+        if self.speculative is not None:
+            self.speculative.new_window()
+        super().zero_window()
+
+    @property
+    def speculative_stats(self):
+        """The counters of the speculative step (``super_offload``), or None without it."""
+        return self.speculative.stats if self.speculative is not None else None
+
     def scale_grads(self, coef):
         if self.zenflow is not None:  # ZenFlow applies the coefficient to what each part reads
             self.zenflow.set_clip(coef)
@@ -165,17 +195,21 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                 self.zenflow.import_state(state)
 
     def _masters_current(self):
+        if self.speculative is not None:
+            self.speculative.before_read()
         if self.host_step is not None:
             self.host_step.finish()
         if self.zenflow is not None:
             self.zenflow.sync_masters()
 
     def release(self):
-        if self.zenflow is not None:
+        if getattr(self, "speculative", None) is not None:
+            self.speculative.close()
+        if getattr(self, "zenflow", None) is not None:
             self.zenflow.close()
         if self.host_step is not None:
             self.host_step.close()
-        if self._forward_waits is not None:
+        if getattr(self, "_forward_waits", None) is not None:
             self._forward_waits.remove()
         super().release()
 

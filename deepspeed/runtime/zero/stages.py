@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 
 from deepspeed.runtime.zenflow.config import check_zenflow_stage
-from deepspeed.utils.logging import logger
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,7 @@ class StageConfig:
     param_buffer_count: int = 5  # offload_param.buffer_count: pinned staging buffers for unpinned shards
     param_buffer_numel: int = int(1e8)  # offload_param.buffer_size: elements per staging buffer
     zenflow: Optional[object] = None  # a ZenFlowConfig (zero_optimization.zenflow), or None
+    super_offload: bool = False  # offload_optimizer.super_offload: speculative steps (stages 1, 2)
     unit_numel: int = int(5e7)  # stage 3: stage3_prefetch_bucket_size
     persistence_threshold: int = int(1e5)  # stage 3: stage3_param_persistence_threshold
 
@@ -52,9 +52,10 @@ class StageConfig:
             raise NotImplementedError("NVMe offload is not supported; see docs/compatibility.md")
         check_zenflow_stage(zero.zenflow, stage, offload_optimizer)
         opt_section = zero.offload_optimizer if offload_optimizer == "cpu" else None
-        if opt_section is not None and opt_section.super_offload:
-            logger.warning("zero_optimization.offload_optimizer.super_offload is accepted, but speculative steps are "
-                           "not implemented: the exact pipelined offload step runs (see docs/offload.md)")
+        super_offload = bool(opt_section is not None and opt_section.super_offload)
+        if super_offload and (stage == 3 or zero.zenflow is not None):
+            raise NotImplementedError("zero_optimization.offload_optimizer.super_offload (speculative steps) is "
+                                      "supported on ZeRO stages 1 and 2 without ZenFlow; see docs/offload.md")
         param_section = zero.offload_param if offload_param == "cpu" else None
         return cls(stage=stage,
                    model_dtype=model_dtype,
@@ -74,6 +75,7 @@ class StageConfig:
                    param_buffer_count=int(param_section.buffer_count) if param_section is not None else 5,
                    param_buffer_numel=int(param_section.buffer_size) if param_section is not None else int(1e8),
                    zenflow=zero.zenflow,
+                   super_offload=super_offload,
                    unit_numel=max(1, int(zero.stage3_prefetch_bucket_size)),
                    persistence_threshold=int(zero.stage3_param_persistence_threshold))
 

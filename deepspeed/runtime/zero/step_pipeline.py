@@ -115,7 +115,7 @@ class StepPipeline:
         """Whether a launched step may still be running."""
         return self._launch is not None
 
-    def _prepare(self):
+    def prepare(self):
         """Per group: (master, grad, state, scalars), the step counted and its scalars read now."""
         host_step = self.host_step
         optimizer = host_step.optimizer
@@ -134,15 +134,42 @@ class StepPipeline:
             prepared[g] = (master.data, grad, state, host_adam.begin_step(group, master.data, state))
         return prepared
 
-    def launch(self, pieces, grad_scale=1.0, background=False):
+    def step_host_piece(self, entry, piece, grad_scale=1.0, backup=None):
+        """Step host piece ``piece`` with ``entry`` (one group's value of :meth:`prepare`): its masters, moments and
+        16-bit target; ``backup`` (a ``host_adam.StepBackup`` of the group) first receives what it overwrites."""
+        host_step = self.host_step
+        param, grad, state, scalars = entry
+        full = host_step.targets[piece.group]
+        writes = full.dtype != torch.float32  # the op writes a 16-bit copy in its pass
+        if backup is not None and not writes:
+            backup.out.narrow(0, piece.start, piece.length).copy_(full.narrow(0, piece.start, piece.length))
+        host_adam.step_piece(host_adam.host_adam_op(), host_step.optimizer.param_groups[piece.group], scalars, param,
+                             grad, state, piece.start, piece.length, full if writes else None, grad_scale,
+                             host_step.threads, backup)
+        if not writes:  # an fp32 model: the targets are copies of the masters
+            full.narrow(0, piece.start, piece.length).copy_(param.narrow(0, piece.start, piece.length))
+
+    def host_worker(self):
+        """The worker thread the host steps run on (created on first use)."""
+        if self.worker is None:
+            self.worker = HostWorker("ds-host-step", self.host_step.threads)
+        return self.worker
+
+    def launch(self, pieces, grad_scale=1.0, background=False, prepared=None, stepped=()):
         """Step every piece in order, uploading each when stepped; with ``background`` return before it is done.
 
-        The caller made sure nothing still reads the targets (``HostStep.wait_readers``).
+        ``prepared`` (from :meth:`prepare`, the step already counted) and ``stepped`` (indexes of ``pieces`` whose
+        host values are already this step's: a speculative step's, ``speculative_step``) continue a step begun
+        earlier: those pieces are only sent. The caller made sure nothing still reads the targets
+        (``HostStep.wait_readers``).
         """
         self.finish()
-        prepared = self._prepare()
+        if prepared is None:
+            prepared = self.prepare()
         share = self.host_step.share
         if share is not None:
+            if stepped:
+                raise ValueError("StepPipeline.launch: a device share cannot continue a step begun earlier")
             share.launch(self.host_step.optimizer.param_groups, {
                 g: e[2]
                 for g, e in prepared.items()
@@ -154,32 +181,23 @@ class StepPipeline:
                 for g, e in prepared.items()
             }, grad_scale)
         launch = _Launch(len(pieces))
-        threads = self.host_step.threads
         transfers = self.host_step.transfers
         targets = self.host_step.targets
-        op = host_adam.host_adam_op()
-        groups = self.host_step.optimizer.param_groups
         device = self.host_step.device
         delay = self.piece_delay
+        stepped = frozenset(stepped)
 
         def run():
             with ds_range("DS::host_step_pieces"):
                 try:
                     for index, piece in enumerate(pieces):
-                        if delay:
+                        if delay and index not in stepped:
                             time.sleep(delay)
-                        entry = prepared.get(piece.group)
                         target = targets[piece.group].narrow(0, piece.start, piece.length)
                         if piece.on_device:  # its 16-bit values arrive from the device share's stream
                             share.order_after(transfers.stream)
-                        elif entry is not None:
-                            param, grad, state, scalars = entry
-                            full = targets[piece.group]
-                            writes = full.dtype != torch.float32  # the op writes a 16-bit copy in its pass
-                            host_adam.step_piece(op, groups[piece.group], scalars, param, grad, state, piece.start,
-                                                 piece.length, full if writes else None, grad_scale, threads)
-                            if not writes:  # an fp32 model: the targets are copies of the masters
-                                target.copy_(param.narrow(0, piece.start, piece.length))
+                        elif index not in stepped and piece.group in prepared:
+                            self.step_host_piece(prepared[piece.group], piece, grad_scale)
                         if piece.send is not None:
                             launch.sent[index] = piece.send(target) or DONE
                         launch.stepped[index].set()
@@ -198,9 +216,7 @@ class StepPipeline:
 
         self._launch = launch
         if background:
-            if self.worker is None:
-                self.worker = HostWorker("ds-host-step", threads)
-            launch.task = self.worker.submit(in_device_context)
+            launch.task = self.host_worker().submit(in_device_context)
         else:
             try:
                 in_device_context()
