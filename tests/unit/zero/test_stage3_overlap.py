@@ -201,7 +201,7 @@ def test_two_param_groups(offload_param):
 @pytest.mark.parametrize("offload_param", [True, False])
 def test_partial_offload_overlapped_equals_full_offload_exact(offload_param):
     # offload_optimizer.ratio: the device share's pieces (the first units) wait for its copy into the targets
-    assert run_distributed(_compare, 2, args=(2, offload_param, 3, 0.005, ("eval", ), 0.5),
+    assert run_distributed(_compare, 2, args=(2, offload_param, 3, 0.005, ("eval", "peek"), 0.5),
                            timeout=300) == [True, True]
 
 
