@@ -422,3 +422,104 @@ def test_speculative_offload(case_id):
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+# ---------------------------------------------------------------- ZeRO-3: the step overlapping the next forward
+Z3_OVERLAP_CASES = {
+    "z3ov-both-pinned-gas2": (dict(stage=3, gas=2, zero=dict(SMALL_UNITS, offload_optimizer=PIN,
+                                                             offload_param=PIN)), None),
+    "z3ov-param-ring-gas1": (dict(stage=3,
+                                  gas=1,
+                                  zero=dict(SMALL_UNITS,
+                                            offload_optimizer=PIN,
+                                            offload_param=dict(PAGEABLE, buffer_count=2, buffer_size=700))), None),
+    "z3ov-optimizer-only-gas2": (dict(stage=3, gas=2, zero=dict(SMALL_UNITS, offload_optimizer=PIN)), None),
+    "z3ov-ratio0.5-both-gas1": (dict(stage=3, gas=1, zero=dict(SMALL_UNITS, offload_optimizer=PIN,
+                                                               offload_param=PIN)), 0.5),
+    "z3ov-ratio0.5-optimizer-only-gas2": (dict(stage=3, gas=2, zero=dict(SMALL_UNITS, offload_optimizer=PIN)), 0.5),
+}
+
+
+def _train_z3_overlap(case, device, env, steps=5):
+    """Losses of every micro-step and of an eval forward right after each step (both run while the step may still
+    be stepping its last pieces), then the 16-bit parameters, masters and moments; and how many steps returned
+    before their host step was done."""
+    import deepspeed
+    torch.manual_seed(0)
+    model = _Model()
+    losses, overlapped = [], 0
+    probe = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(5)).to(device)
+    with _environment(dict(env, DS_OFFLOAD_SYNC="0")):
+        engine = deepspeed.initialize(model=copy.deepcopy(model), config=_config(case))[0]
+        try:
+            stage = engine._stage
+            for step in range(steps):
+                for micro in range(case["gas"]):
+                    gen = torch.Generator().manual_seed(100 * step + micro)
+                    tokens = torch.randint(0, 64, (4, 16), generator=gen).to(device)
+                    loss = F.cross_entropy(engine(tokens).float().reshape(-1, 64), tokens.roll(1, 1).reshape(-1))
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.item())
+                pipeline = stage.host_step.pipeline
+                overlapped += int(pipeline is not None and pipeline.pending)
+                with torch.no_grad():
+                    losses.append(engine(probe).float().sum().item())
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                state = [p.detach().cpu().clone() for p in engine.module.parameters()]
+            stage._masters_current()
+            state += [m.detach().cpu().clone() for m in stage.masters]
+            for master in stage.masters:
+                entry = stage.optimizer.state.get(master, {})
+                state += [entry[k].detach().cpu().clone() for k in ("exp_avg", "exp_avg_sq") if k in entry]
+        finally:
+            engine.destroy()
+    return losses, state, overlapped
+
+
+def check_z3_overlap(name):
+    """ZeRO-3: the step overlapping the next forward (each piece slowed by 5 ms) against the whole-partition step."""
+    from deepspeed.runtime.zero.step_pipeline import StepPipeline
+    case, ratio = Z3_OVERLAP_CASES[name]
+    device = _device()
+    ref_losses, ref_state, _ = _train_z3_overlap(case, device, {"DS_OFFLOAD_OVERLAP": "0"})
+    if ratio is not None:
+        case = copy.deepcopy(case)
+        case["zero"]["offload_optimizer"] = dict(case["zero"]["offload_optimizer"], ratio=ratio)
+    StepPipeline.piece_delay = 0.005
+    try:
+        losses, state, overlapped = _train_z3_overlap(case, device, {"DS_OFFLOAD_OVERLAP": "1"})
+    finally:
+        StepPipeline.piece_delay = 0.0
+    assert overlapped > 0, f"{name}: engine.step() never returned before its host step was done"
+    assert losses == ref_losses, f"{name}: losses differ: {losses} vs {ref_losses}"
+    assert len(state) == len(ref_state)
+    for index, (x, y) in enumerate(zip(state, ref_state)):
+        if not torch.equal(x, y):
+            diff = (x.float() - y.float()).abs().max().item()
+            raise AssertionError(
+                f"{name}: tensor {index} differs from the whole-partition step (max abs diff {diff:g})")
+    return f"{len(losses)} losses and {len(state)} tensors identical, {overlapped} steps overlapped"
+
+
+Z3_OVERLAP_ENTRIES = [(n, check_z3_overlap, n) for n in Z3_OVERLAP_CASES]
+
+
+@pytest.mark.parametrize("case_id", [c[0] for c in Z3_OVERLAP_ENTRIES])
+def test_z3_overlap_step(case_id):
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    _init()
+    _, fn, arg = next(c for c in Z3_OVERLAP_ENTRIES if c[0] == case_id)
+    fn(arg)
+
+
+def main_z3_overlap(argv=()):
+    """``python3 -c 'import sys, tests.gpu.test_offload_paths as t; sys.exit(t.main_z3_overlap(sys.argv[1:]))'``
+    (the module's own ``__main__`` runs before this block is defined)."""
+    global ALL
+    saved, ALL = ALL, Z3_OVERLAP_ENTRIES
+    try:
+        return main(list(argv))
+    finally:
+        ALL = saved

@@ -24,6 +24,8 @@ Pipelined (:mod:`~deepspeed.runtime.zero.step_pipeline`, with ``DeepSpeedCPUAdam
 uploads (and all-gathers) each bucket as soon as it is stepped, applies the clipping coefficient as the
 op reads the gradient, and on one rank may return before the last bucket is stepped (each module's
 forward then waits for its own buckets, :meth:`wait_for_piece`). Same bits as the whole step.
+:meth:`step_spans` is the same for ZeRO-3: spans of the partitions in the order the next forward gathers
+the units, returning at once (each unit's gather waits for its own spans).
 
 After anything else changed the masters (a checkpoint load, ``safe_set_full_fp32_param``),
 :meth:`refresh` recomputes the targets from them; :meth:`gather_into` and the stages do so
@@ -233,6 +235,32 @@ class HostStep:
             self.pipeline.launch(pieces, grad_scale, background=background, prepared=prepared, stepped=stepped)
         self._reading = _StreamDone(transfers)
         self.fresh = False
+
+    @torch.no_grad()
+    def step_spans(self, spans, send_for=None, grad_scale=1.0, background=False, before_write=None):
+        """Pipelined (needs :attr:`pipeline`): step ``spans`` in the order given, each sent on when stepped.
+
+        ``spans`` are ``(group, start, length)`` runs of the partitions that together cover every stepped group
+        once (ZeRO-3: a unit's segment of a group, in the next forward's gather order); a span is cut where a
+        device range begins or ends. ``send_for(group, start, length, on_device)`` returns a piece's ``send``
+        (or None: nothing to send, the host wait is enough). ``before_write`` is waited for before the targets
+        are written (as in :meth:`step`). With ``background`` the call returns at once (no collective is issued
+        by a piece); :meth:`wait_for_piece` and :meth:`finish` wait. Returns, per span, the index of its last
+        piece (what :meth:`wait_for_piece` takes before the span's values are read).
+        """
+        self.wait_readers(before_write)
+        self.transfers.after_current()  # the sends overwrite what the compute stream may still read
+        pieces, last = [], []
+        for g, start, length in spans:
+            for lo, hi, dev in self._device_pieces(g, start, length):
+                send = send_for(g, lo, hi - lo, dev) if send_for is not None else None
+                pieces.append(StepPiece(g, lo, hi - lo, send, on_device=dev))
+            last.append(len(pieces) - 1)
+        with ds_range("DS::host_step"):
+            self.pipeline.launch(pieces, grad_scale, background=background)
+        self._reading = _StreamDone(self.transfers)
+        self.fresh = False
+        return last
 
     @torch.no_grad()
     def refresh(self, before_write=None):

@@ -259,6 +259,10 @@ class UnitCoordinator:
         self._unsessioned_task = None
         self.end_backward()
 
+    def forward_order(self):
+        """The units in the order the first forward gathered them (empty before it ran)."""
+        return list(self._trace)
+
     def end_of_first_forward(self):
         """The trace of the first forward is complete; from now on prefetch along it."""
         if self._trace:

@@ -327,6 +327,7 @@ class GatheredParameters(contextlib.ContextDecorator):
     def __enter__(self):
         if not self.enabled:
             return self
+        _shards_current(self.params)
         for param in self.params:
             if param.ds_status != ZeroParamStatus.AVAILABLE:
                 gather_param(param)
@@ -340,6 +341,7 @@ class GatheredParameters(contextlib.ContextDecorator):
         from deepspeed.runtime.backward.ownership import owner_of
         try:
             if self.modifier_rank is not None and exc[0] is None:
+                _shards_current(self.params)
                 world, _ = _dp_world()
                 with torch.no_grad():
                     for param in self.params:
@@ -354,6 +356,19 @@ class GatheredParameters(contextlib.ContextDecorator):
                 release_param(param)
             self._gathered = []
         return False
+
+
+def _shards_current(params):
+    """Before ``ds_tensor`` of ``params`` is read or written directly: an engine's step still writing the shards
+    (ZeRO-3 with the offloaded step overlapping the forward) completes."""
+    from deepspeed.runtime.backward.ownership import owner_of
+    done = set()
+    for param in params:
+        stage = owner_of(param)
+        current = getattr(stage, "shards_current", None)
+        if current is not None and id(stage) not in done:
+            done.add(id(stage))
+            current()
 
 
 def register_external_parameter(module, parameter):

@@ -20,6 +20,11 @@ fp32 masters and the gradient partitions share that layout, so a unit's piece of
 is one contiguous segment of each. Without offload no 16-bit shard is kept: a gather casts
 the unit's piece of the fp32 masters while copying it in, and ``param.ds_tensor`` is a view
 of the master.
+
+With ``offload_optimizer`` and the pipelined host step, ``step()`` returns while the host
+steps those segments in the next forward's gather order, and each unit's gather waits for
+its own (``unit_step.py``); everything else that reads or writes the step's state completes
+it first.
 """
 
 import torch
@@ -39,6 +44,7 @@ from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import UnitGeometry
 from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
 from deepspeed.runtime.zero.transfers import DONE, pinned
+from deepspeed.runtime.zero.unit_step import UnitStep
 from deepspeed.utils.timer import OPTIMIZER_STEP_TIMER
 
 
@@ -134,6 +140,17 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                                       device_ranges=device_ranges(self.masters, config.offload_ratio))
             self._host_shards = host_shards
         self.coordinator = UnitCoordinator(module, units, self._send_chunk, self.pipeline, group, device)
+        # The pipelined host step overlaps the next forward (``unit_step.py``); whatever else reads or writes
+        # what it touches completes it first: the next backward's folds into the gradient partitions (their
+        # barrier), state_dict (a pre-hook on every module), the accessors and the rest (``_step_done``).
+        self.unit_step = None
+        self._state_dict_hooks = []
+        if (self.host_step is not None and self.host_step.pipeline is not None
+                and config.accum_dtype == torch.float32):
+            self.unit_step = UnitStep(self)
+            geometry.folder.barrier = self.host_step.finish
+            for sub in module.modules():
+                self._state_dict_hooks.append(sub.register_state_dict_pre_hook(self._state_dict_pre_hook))
         self._gather_persistent()
 
     @property
@@ -148,6 +165,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         Device sources (the fp32 masters or device shards) are cast in one pass (``ready`` is DONE); host
         shards are uploaded asynchronously (:class:`ShardFetch`).
         """
+        if self.unit_step is not None:
+            self.unit_step.wait_for(unit)
         segments = self.layout.segments[unit.index]
         pieces = [self.sources[g].narrow(0, part_offset, length) for g, part_offset, _, length in segments]
         if self.fetch is None:
@@ -171,6 +190,13 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self):
+        if self.unit_step is not None:
+            with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
+                self.unit_step.launch(self._take_grad_scale())
+            # the gathered copies are stale; the persistent unit's gather waits for its pieces (stepped first)
+            self.coordinator.release_all()
+            self._gather_persistent()
+            return
         with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
             attached = self.config.accum_dtype != torch.float32
             if attached:
@@ -189,6 +215,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     @torch.no_grad()
     def refresh_16bit(self):
         """After the masters changed (a step, a load): the 16-bit shards, then re-gather the persistent units."""
+        self._step_done()
         if self.host_step is not None and self._host_shards:
             if not self.host_step.fresh:  # the step writes the host shards itself
                 self.host_step.refresh(before_write=self.fetch)
@@ -210,7 +237,21 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def compiled(self):
         self.coordinator.reinstall_hooks()
 
+    def _step_done(self):
+        """Before the 16-bit shards, the masters or the moments are read or written outside a gather: an
+        overlapped step still running completes (a no-op otherwise)."""
+        if self.host_step is not None:
+            self.host_step.finish()
+
+    shards_current = _step_done  # what ``GatheredParameters`` calls before it reads or writes ``ds_tensor``
+
+    def _state_dict_pre_hook(self, *_args, **_kwargs):
+        self._step_done()
+
     def release(self):
+        for handle in self._state_dict_hooks:
+            handle.remove()
+        self._state_dict_hooks = []
         self.coordinator.remove_hooks()
         if self.host_step is not None:
             self.host_step.close()
@@ -303,6 +344,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     @torch.no_grad()
     def consolidated_state_dict(self, exclude_frozen_parameters=False):
         """Every parameter's whole 16-bit value and the buffers, by name, on the CPU (a collective)."""
+        self._step_done()
         state = {}
         for name, param in self.module.named_parameters():
             if exclude_frozen_parameters and not param.requires_grad:
