@@ -420,9 +420,6 @@ def test_speculative_offload(case_id):
     fn(arg)
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
-
 # ---------------------------------------------------------------- ZeRO-3: the step overlapping the next forward
 Z3_OVERLAP_CASES = {
     "z3ov-both-pinned-gas2": (dict(stage=3, gas=2, zero=dict(SMALL_UNITS, offload_optimizer=PIN,
@@ -510,16 +507,11 @@ def test_z3_overlap_step(case_id):
     if reason is not None:
         pytest.skip(reason)
     _init()
-    _, fn, arg = next(c for c in Z3_OVERLAP_ENTRIES if c[0] == case_id)
+    _, fn, arg = next(c for c in ALL if c[0] == case_id)
     fn(arg)
 
 
-def main_z3_overlap(argv=()):
-    """``python3 -c 'import sys, tests.gpu.test_offload_paths as t; sys.exit(t.main_z3_overlap(sys.argv[1:]))'``
-    (the module's own ``__main__`` runs before this block is defined)."""
-    global ALL
-    saved, ALL = ALL, Z3_OVERLAP_ENTRIES
-    try:
-        return main(list(argv))
-    finally:
-        ALL = saved
+ALL += Z3_OVERLAP_ENTRIES
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
