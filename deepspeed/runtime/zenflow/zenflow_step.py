@@ -73,7 +73,9 @@ class ZenFlowStep:
         self.main_threads = cores_for(cfg.pt_reserved_cores_perc)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.main_threads)
-        self.window = HostWindow(stage.host_step, threads=max(1, host_cores() - self.main_threads))
+        self.window = HostWindow(stage.host_step,
+                                 threads=max(1, host_cores() - self.main_threads),
+                                 update=cfg.window_update)
         parts = list(stage.geometry.grad_parts)
         self.part_sets = [parts, [pinned(torch.zeros_like(p), pin) for p in parts]]
         self.part_busy = [DONE, DONE]
@@ -87,6 +89,7 @@ class ZenFlowStep:
         self.selected_at = None  # step of the last selection
         self.coef = 1.0
         self.pending_apply = False
+        self.launched_at = None  # step that launched the pending host step (overlap_step)
         self._auto = None
 
     def set_steps_per_epoch(self, steps):
@@ -122,6 +125,9 @@ class ZenFlowStep:
                 self._swap_parts(self.window.accumulate(parts, coef))
                 if closes:
                     self._close_window()
+                elif self._apply_due():
+                    self.window.launched.synchronize()
+                    self._apply()
                 self.selection.scatter(values, stage.flat_params, space="full")
                 self._all_gather_params()
         self.steps += 1
@@ -191,11 +197,20 @@ class ZenFlowStep:
                     self._apply()
                 self.window.launch()
                 self.pending_apply = True
+                self.launched_at = self.steps
             else:
                 self.window.launch()
                 self.window.wait()
                 self._apply()
         self._auto = None
+
+    def _apply_due(self):
+        """Overlap: whether the pending host step is applied at this step (``overlap_apply_after`` steps after its
+        launch; "window": only when the next window closes)."""
+        after = self.cfg.overlap_apply_after
+        if not self.pending_apply or after == "window" or self.launched_at is None:
+            return False
+        return self.steps - self.launched_at >= after
 
     def _apply(self):
         """The last host step's 16-bit values into this rank's chunks of the model (the device part's rows are
@@ -302,6 +317,7 @@ class ZenFlowStep:
                     window_count=self.window.count,
                     acc=[a.clone() for a in self.window.acc] if self.window.count else None,
                     pending_apply=self.pending_apply,
+                    launched_at=self.launched_at,
                     rows=self.selection.state(),
                     device=self.device_part.state(),
                     own16=own16,
@@ -321,6 +337,7 @@ class ZenFlowStep:
             for a, saved in zip(self.window.acc, state["acc"]):
                 a.copy_(saved)
         self.pending_apply = bool(state["pending_apply"])
+        self.launched_at = state.get("launched_at")
         self.selection.set_rows(state["rows"])
         masters = [m.data for m in self.stage.masters]
         device = state["device"]
