@@ -19,12 +19,16 @@ engine, and does not count):
 3. the device part (the selected rows and every parameter of fewer than two dimensions)
    takes one Adam step with ``c_t * g_t`` of its elements, every step: it is exact every step;
 4. ``c_t * g_t`` is added into the host window accumulator (on a worker thread);
-5. when the window closes (``update_interval`` steps, or the "auto" rule below), the host
-   optimizer steps every master with the window's mean ``(1/n) sum c_t g_t``; its values reach
-   the model's 16-bit parameters, except the selected rows, which keep the device part's.
-   Without ``overlap_step`` that happens at once (the host step blocks); with it, the step
-   runs on the worker thread during the next window and its values are applied when that
-   window closes (or earlier, at a selection): the unselected rows are one window stale.
+5. when a window of ``n`` steps closes (``update_interval`` steps, or the "auto" rule below),
+   the host optimizer steps every master with the window's mean ``(1/n) sum c_t g_t``, as far
+   as the window's ``n`` steps would move them (``window_update``: one Adam step at ``n`` times
+   the learning rate by default, see ``host_window.py``); its values reach the model's 16-bit
+   parameters, except the selected rows, which keep the device part's. Without
+   ``overlap_step`` that happens at once (the host step blocks); with it, the step runs on the
+   worker thread during the next window and its values are applied ``overlap_apply_after``
+   steps after the launch (2: by then the worker has finished it, since that step waits for
+   the accumulation queued behind it), at the latest when that window closes, or earlier at a
+   selection: the unselected rows are 2 steps stale ("window": a whole window, upstream's).
 
 The model's 16-bit parameters therefore hold, at every step, the device part's values for
 the selected rows and the last applied host values for the others. On ``W > 1`` ranks every
@@ -126,7 +130,8 @@ class ZenFlowStep:
                 if closes:
                     self._close_window()
                 elif self._apply_due():
-                    self.window.launched.synchronize()
+                    if self.window.launched is not None:  # None: resumed from a checkpoint, nothing in flight
+                        self.window.launched.synchronize()
                     self._apply()
                 self.selection.scatter(values, stage.flat_params, space="full")
                 self._all_gather_params()
@@ -358,6 +363,7 @@ class ZenFlowStep:
         self.window.wait()
         self.window.count = 0
         self.pending_apply = False
+        self.launched_at = None
         self.selection.set_rows({})
         self.device_part = DevicePart(self.stage.device, self.cfg.offload, pin_memory=self.stage.config.pin_memory)
         self.selected_at = None

@@ -373,6 +373,9 @@ BAD = {
     "interval_without_strategy": (2, dict(select_interval=4), "select_strategy"),
     "strategy_without_interval": (2, dict(select_strategy="step"), "select_interval"),
     "stage3": (3, dict(topk_ratio=0.1), "stage 3"),
+    "window_update_unknown": (2, dict(window_update="twice"), "window_update"),
+    "apply_after_zero": (2, dict(overlap_apply_after=0), "overlap_apply_after"),
+    "apply_after_word": (2, dict(overlap_apply_after="soon"), "overlap_apply_after"),
 }
 
 
