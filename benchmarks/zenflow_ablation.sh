@@ -30,6 +30,10 @@ declare -A ARGS=(
     [zf_scaled_apply1]="--systems ds_zero2+zenflow --ds-extra $(zf overlap_apply_after 1 | tr -d ' ')"
     [zf_scaled_apply_window]="--systems ds_zero2+zenflow --ds-extra $(zf overlap_apply_after '"window"' | tr -d ' ')"
     [zf_scaled_no_overlap]="--systems ds_zero2+zenflow --zenflow-no-overlap"
+    [zf_sqrt]="--systems ds_zero2+zenflow --ds-extra $(zf window_update '"sqrt"' | tr -d ' ')"
+    [zf_scaled_warmup2]="--systems ds_zero2+zenflow --ds-extra $(zf full_warm_up_rounds 2 | tr -d ' ')"
+    [zf_sqrt_warmup4]="--systems ds_zero2+zenflow --ds-extra $(zf window_update '"sqrt"' full_warm_up_rounds 4 | tr -d ' ')"
+    [zf_scaled_topk02]="--systems ds_zero2+zenflow --zenflow-topk 0.2"
     [zf_repeat]="--systems ds_zero2+zenflow --ds-extra $(zf window_update '"repeat"' | tr -d ' ')"
     [zf_scaled_reselect8]="--systems ds_zero2+zenflow --zenflow-select-strategy step --zenflow-select-interval 8"
     [zf_scaled_reselect12]="--systems ds_zero2+zenflow --zenflow-select-strategy step --zenflow-select-interval 12"
@@ -39,7 +43,7 @@ declare -A ARGS=(
     [zf_scaled_interval2]="--systems ds_zero2+zenflow --zenflow-update-interval 2"
 )
 ORDER=(offload zf_once zf_once_no_overlap zf_once_interval1 zf_once_apply2 zf_scaled zf_scaled_apply1
-    zf_scaled_apply_window zf_scaled_no_overlap zf_repeat
+    zf_scaled_apply_window zf_scaled_no_overlap zf_repeat zf_sqrt zf_sqrt_warmup4 zf_scaled_warmup2 zf_scaled_topk02
     zf_scaled_reselect8 zf_scaled_reselect12 zf_scaled_reselect16 zf_scaled_apply1_reselect8 zf_scaled_warmup4
     zf_scaled_interval2)
 # shellcheck disable=SC2206

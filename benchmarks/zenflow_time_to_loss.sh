@@ -6,6 +6,7 @@
 # each loss, its cumulative step time, the loss after the last step) and a plot of loss against time.
 # VARIANTS="name:JSON ..." adds ZenFlow runs with a zenflow section merged over that config (one train_bench run
 # each), e.g. VARIANTS='once:{"window_update":"once","overlap_apply_after":"window"}'.
+# REUSE_BASE=1 keeps OUT/base.jsonl of an earlier call (only the variants run).
 # The reference model on one GPU by default; MODEL="--device cpu --d-model 128 ..." for a small one.
 #
 #   bash benchmarks/zenflow_time_to_loss.sh OUT_DIR [STEPS]
@@ -20,8 +21,10 @@ MODEL=(${MODEL:-})
 THRESHOLDS=${THRESHOLDS:-9.0 8.8}
 COMMON=("${MODEL[@]}" --warmup 0 --steps "$STEPS" --zenflow-topk 0.1 --zenflow-update-interval 4)
 files=("$OUT/base.jsonl")
-timeout "${T_RUN:-600}" "$PY" benchmarks/train_bench.py "${COMMON[@]}" --systems ds_zero2+offload,ds_zero2+zenflow \
-    --out "$OUT/base.md" >"$OUT/base.log" 2>&1 || echo "base run failed: see $OUT/base.log"
+if [ "${REUSE_BASE:-0}" != 1 ] || [ ! -f "$OUT/base.jsonl" ]; then
+    timeout "${T_RUN:-600}" "$PY" benchmarks/train_bench.py "${COMMON[@]}" --systems ds_zero2+offload,ds_zero2+zenflow \
+        --out "$OUT/base.md" >"$OUT/base.log" 2>&1 || echo "base run failed: see $OUT/base.log"
+fi
 for variant in ${VARIANTS:-}; do
     name=${variant%%:*}
     section=${variant#*:}

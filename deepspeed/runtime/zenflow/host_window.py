@@ -19,7 +19,9 @@ than the selected ones, which take the window's ``n`` steps. "scaled" (the defau
 one Adam step with ``n`` times each group's learning rate (decoupled weight decay, which the
 learning rate multiplies, then decays as ``n`` steps would); "repeat" takes ``n`` Adam steps
 with the same mean gradient (``n`` host passes; the moments see the mean ``n`` times);
-"once" takes one plain step. The inner optimizer's step count (its bias correction) counts
+"sqrt" one Adam step with ``sqrt(n)`` times the learning rate (the square-root rule for a
+batch ``n`` times larger, right where the gradient noise dominates: the window's mean has
+``1/n`` of a step's variance); "once" takes one plain step. The inner optimizer's step count (its bias correction) counts
 the Adam steps it took: one per window ("scaled", "once") or ``n`` ("repeat"). The step runs on a
 *snapshot* of the optimizer (the same state and parameters, copies of the param-group dicts
 taken at launch), so the hyperparameters are those of the launching step, whatever an LR
@@ -27,8 +29,11 @@ scheduler does to the live dicts meanwhile. One thread runs accumulations and st
 order, so the next window's first accumulation waits for the step that reads ``acc``.
 """
 
+import math
+
 import torch
 
+from deepspeed.runtime.zenflow.config import WINDOW_UPDATES
 from deepspeed.runtime.zero.host_worker import HostWorker
 
 
@@ -44,8 +49,8 @@ class HostWindow:
     """Accumulates the host part over a window and steps it on a worker thread (see the module docstring)."""
 
     def __init__(self, host_step, *, threads, update="scaled"):
-        if update not in ("scaled", "repeat", "once"):
-            raise ValueError(f"zenflow.window_update must be \"scaled\", \"repeat\" or \"once\", got {update!r}")
+        if update not in WINDOW_UPDATES:
+            raise ValueError(f"zenflow.window_update must be one of {list(WINDOW_UPDATES)}, got {update!r}")
         self.update = update
         self.optimizer = host_step.optimizer
         self.masters = host_step.masters
@@ -82,6 +87,9 @@ class HostWindow:
         if self.update == "scaled" and n > 1:
             for group in proxy.param_groups:
                 group["lr"] = group["lr"] * n
+        elif self.update == "sqrt" and n > 1:
+            for group in proxy.param_groups:
+                group["lr"] = group["lr"] * math.sqrt(n)
         elif self.update == "repeat":
             passes = n
         masters, acc, host_step, threads = self.masters, self.acc, self.host_step, self.threads

@@ -15,7 +15,8 @@ the mean gradient of every rank's micro-batches, following the algorithm as
   Adam step with ``c * g`` (bias correction counting the steps since the selection), and
   ``c * g`` is added into the window accumulator;
 * when a window of ``n`` steps closes the host Adam steps every element of ``X`` with the window
-  mean: one step at ``n`` times the learning rate (``window_update="scaled"``), ``n`` steps
+  mean: one step at ``n`` times the learning rate (``window_update="scaled"``), at ``sqrt(n)``
+  times ("sqrt"), ``n`` steps
   ("repeat") or one plain step ("once"); the values reach ``Q`` at once, or with ``overlap``
   ``apply_after`` steps after that close ("window": when the next window closes), at the latest
   when the next window closes (or at a selection);
@@ -120,6 +121,8 @@ class ZenFlowReference:
     def _window_step(self, mean, n_steps):
         if self.window_update == "scaled":
             self._host_step(mean, lr_scale=float(n_steps))
+        elif self.window_update == "sqrt":
+            self._host_step(mean, lr_scale=math.sqrt(n_steps))
         elif self.window_update == "repeat":
             for _ in range(n_steps):
                 self._host_step(mean)

@@ -244,6 +244,16 @@ CASES = {
          gas=1,
          zenflow=dict(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=3,
                       window_update="repeat")),
+    "z2-w2-sqrt-overlap":
+    dict(stage=2,
+         world=2,
+         gas=1,
+         zenflow=dict(topk_ratio=0.3,
+                      update_interval=3,
+                      select_strategy="step",
+                      select_interval=6,
+                      overlap_step=True,
+                      window_update="sqrt")),
     "z2-w2-once-window":
     dict(stage=2,
          world=2,
