@@ -21,11 +21,13 @@ learning rate multiplies, then decays as ``n`` steps would); "repeat" takes ``n`
 with the same mean gradient (``n`` host passes; the moments see the mean ``n`` times);
 "sqrt" one Adam step with ``sqrt(n)`` times the learning rate (the square-root rule for a
 batch ``n`` times larger, right where the gradient noise dominates: the window's mean has
-``1/n`` of a step's variance); "once" takes one plain step. The inner optimizer's step count (its bias correction) counts
-the Adam steps it took: one per window ("scaled", "once") or ``n`` ("repeat"). The step runs on a
-*snapshot* of the optimizer (the same state and parameters, copies of the param-group dicts
-taken at launch), so the hyperparameters are those of the launching step, whatever an LR
-scheduler does to the live dicts meanwhile. One thread runs accumulations and steps in
+``1/n`` of a step's variance); "once" one plain step. The inner optimizer's step count (its
+bias correction) counts the Adam steps it took: one per window ("scaled", "sqrt", "once") or
+``n`` ("repeat").
+
+The step runs on a *snapshot* of the optimizer (the same state and parameters, copies of the
+param-group dicts taken at launch), so the hyperparameters are those of the launching step,
+whatever an LR scheduler does to the live dicts meanwhile. One thread runs accumulations and steps in
 order, so the next window's first accumulation waits for the step that reads ``acc``.
 """
 

@@ -78,7 +78,8 @@ class ZenFlowStep:
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.main_threads)
         self.window = HostWindow(stage.host_step,
-                                 threads=max(1, host_cores() - self.main_threads),
+                                 threads=max(1,
+                                             host_cores() - self.main_threads),
                                  update=cfg.window_update)
         parts = list(stage.geometry.grad_parts)
         self.part_sets = [parts, [pinned(torch.zeros_like(p), pin) for p in parts]]

@@ -54,8 +54,12 @@ def test_table_and_plot(tmp_path):
     (tmp_path / "b.jsonl").write_text(json.dumps(dict(a, label="s variant")) + "\n")
     out, png = tmp_path / "ttl.md", tmp_path / "ttl.png"
     reached = repr(a["losses"][9])  # reached by "s" at step 10 at the latest
-    assert main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--thresholds", reached, "-1", "--out",
-                 str(out), "--plot", str(png)]) == 0
+    assert main([
+        str(tmp_path / "a.jsonl"),
+        str(tmp_path / "b.jsonl"), "--thresholds", reached, "-1", "--out",
+        str(out), "--plot",
+        str(png)
+    ]) == 0
     lines = out.read_text().splitlines()
     rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
     assert set(rows) == {"s", "t", "s variant"}

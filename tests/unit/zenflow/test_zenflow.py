@@ -242,7 +242,10 @@ CASES = {
     dict(stage=2,
          world=1,
          gas=1,
-         zenflow=dict(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=3,
+         zenflow=dict(topk_ratio=0.25,
+                      update_interval=3,
+                      select_strategy="step",
+                      select_interval=3,
                       window_update="repeat")),
     "z2-w2-sqrt-overlap":
     dict(stage=2,
