@@ -23,13 +23,26 @@ key                         default     meaning here
                                         worker takes the rest
 ``steps_per_epoch``         None        epoch length in optimizer steps for the "epoch" strategy
                                         (the engine sets it from its training dataloader)
+``overlap_apply_after``     2           (not upstream's) with ``overlap_step``: how many optimizer steps
+                                        after its launch a window's host step is applied, at the
+                                        latest when the next window closes; "window": at that close
+                                        (upstream's); at the second step the host worker has
+                                        finished it anyway (it runs before the next step's
+                                        accumulation, which the second step waits for)
+``window_update``           "scaled"    (not upstream's) how the host step of a window of ``n`` steps
+                                        moves the unselected elements: "scaled", one Adam step
+                                        with ``n`` times the learning rate; "sqrt", with
+                                        ``sqrt(n)`` times; "repeat", ``n`` Adam steps with the
+                                        window's mean gradient; "once", one plain Adam step
+                                        (upstream's arithmetic)
 ==========================  ==========  ===========================================================
 
 Errors (:class:`DeepSpeedConfigError`, raised while the config is parsed, so on every rank
 and before any collective): ``topk_ratio`` outside (0, 1]; a number ``select_interval``
 with strategy "auto" (the strategy fixes the interval); "step"/"epoch" with
 ``select_interval`` "auto"; a step-based ``select_interval`` shorter than a numeric
-``update_interval``.
+``update_interval``; an unknown ``window_update``; an ``overlap_apply_after`` that is neither
+a positive integer nor "window".
 """
 
 import dataclasses
@@ -40,6 +53,7 @@ from deepspeed.runtime.config_utils import (ConfigSection, DeepSpeedConfigError,
 
 AUTO = "auto"
 STRATEGIES = ("auto", "step", "epoch")
+WINDOW_UPDATES = ("scaled", "sqrt", "repeat", "once")
 
 
 def _interval():
@@ -49,6 +63,18 @@ def _interval():
             if value.strip().lower() == AUTO:
                 return AUTO
             raise DeepSpeedConfigError(f"config key '{path}' must be \"auto\" or a positive integer, got {value!r}")
+        return integer(minimum=1)(value, path)
+
+    return parse
+
+
+def _apply_after():
+
+    def parse(value, path):
+        if isinstance(value, str):
+            if value.strip().lower() == "window":
+                return "window"
+            raise DeepSpeedConfigError(f"config key '{path}' must be \"window\" or a positive integer, got {value!r}")
         return integer(minimum=1)(value, path)
 
     return parse
@@ -67,6 +93,8 @@ class ZenFlowConfig(ConfigSection):
     full_warm_up_rounds: int = config_field(0, parse=integer(minimum=0))
     pt_reserved_cores_perc: float = config_field(0.5, parse=number(minimum=0.0, maximum=1.0))
     steps_per_epoch: Optional[int] = config_field(None, parse=optional(integer(minimum=1)))
+    window_update: str = config_field("scaled", parse=one_of(WINDOW_UPDATES))
+    overlap_apply_after: Union[str, int] = config_field(2, parse=_apply_after())
 
     @classmethod
     def _finalize(cls, values, spelled, path):

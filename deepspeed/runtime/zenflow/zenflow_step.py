@@ -19,12 +19,16 @@ engine, and does not count):
 3. the device part (the selected rows and every parameter of fewer than two dimensions)
    takes one Adam step with ``c_t * g_t`` of its elements, every step: it is exact every step;
 4. ``c_t * g_t`` is added into the host window accumulator (on a worker thread);
-5. when the window closes (``update_interval`` steps, or the "auto" rule below), the host
-   optimizer steps every master with the window's mean ``(1/n) sum c_t g_t``; its values reach
-   the model's 16-bit parameters, except the selected rows, which keep the device part's.
-   Without ``overlap_step`` that happens at once (the host step blocks); with it, the step
-   runs on the worker thread during the next window and its values are applied when that
-   window closes (or earlier, at a selection): the unselected rows are one window stale.
+5. when a window of ``n`` steps closes (``update_interval`` steps, or the "auto" rule below),
+   the host optimizer steps every master with the window's mean ``(1/n) sum c_t g_t``, as far
+   as the window's ``n`` steps would move them (``window_update``: one Adam step at ``n`` times
+   the learning rate by default, see ``host_window.py``); its values reach the model's 16-bit
+   parameters, except the selected rows, which keep the device part's. Without
+   ``overlap_step`` that happens at once (the host step blocks); with it, the step runs on the
+   worker thread during the next window and its values are applied ``overlap_apply_after``
+   steps after the launch (2: by then the worker has finished it, since that step waits for
+   the accumulation queued behind it), at the latest when that window closes, or earlier at a
+   selection: the unselected rows are 2 steps stale ("window": a whole window, upstream's).
 
 The model's 16-bit parameters therefore hold, at every step, the device part's values for
 the selected rows and the last applied host values for the others. On ``W > 1`` ranks every
@@ -73,7 +77,10 @@ class ZenFlowStep:
         self.main_threads = cores_for(cfg.pt_reserved_cores_perc)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.main_threads)
-        self.window = HostWindow(stage.host_step, threads=max(1, host_cores() - self.main_threads))
+        self.window = HostWindow(stage.host_step,
+                                 threads=max(1,
+                                             host_cores() - self.main_threads),
+                                 update=cfg.window_update)
         parts = list(stage.geometry.grad_parts)
         self.part_sets = [parts, [pinned(torch.zeros_like(p), pin) for p in parts]]
         self.part_busy = [DONE, DONE]
@@ -87,6 +94,7 @@ class ZenFlowStep:
         self.selected_at = None  # step of the last selection
         self.coef = 1.0
         self.pending_apply = False
+        self.launched_at = None  # step that launched the pending host step (overlap_step)
         self._auto = None
 
     def set_steps_per_epoch(self, steps):
@@ -122,6 +130,10 @@ class ZenFlowStep:
                 self._swap_parts(self.window.accumulate(parts, coef))
                 if closes:
                     self._close_window()
+                elif self._apply_due():
+                    if self.window.launched is not None:  # None: resumed from a checkpoint, nothing in flight
+                        self.window.launched.synchronize()
+                    self._apply()
                 self.selection.scatter(values, stage.flat_params, space="full")
                 self._all_gather_params()
         self.steps += 1
@@ -191,11 +203,20 @@ class ZenFlowStep:
                     self._apply()
                 self.window.launch()
                 self.pending_apply = True
+                self.launched_at = self.steps
             else:
                 self.window.launch()
                 self.window.wait()
                 self._apply()
         self._auto = None
+
+    def _apply_due(self):
+        """Overlap: whether the pending host step is applied at this step (``overlap_apply_after`` steps after its
+        launch; "window": only when the next window closes)."""
+        after = self.cfg.overlap_apply_after
+        if not self.pending_apply or after == "window" or self.launched_at is None:
+            return False
+        return self.steps - self.launched_at >= after
 
     def _apply(self):
         """The last host step's 16-bit values into this rank's chunks of the model (the device part's rows are
@@ -302,6 +323,7 @@ class ZenFlowStep:
                     window_count=self.window.count,
                     acc=[a.clone() for a in self.window.acc] if self.window.count else None,
                     pending_apply=self.pending_apply,
+                    launched_at=self.launched_at,
                     rows=self.selection.state(),
                     device=self.device_part.state(),
                     own16=own16,
@@ -321,6 +343,7 @@ class ZenFlowStep:
             for a, saved in zip(self.window.acc, state["acc"]):
                 a.copy_(saved)
         self.pending_apply = bool(state["pending_apply"])
+        self.launched_at = state.get("launched_at")
         self.selection.set_rows(state["rows"])
         masters = [m.data for m in self.stage.masters]
         device = state["device"]
@@ -341,6 +364,7 @@ class ZenFlowStep:
         self.window.wait()
         self.window.count = 0
         self.pending_apply = False
+        self.launched_at = None
         self.selection.set_rows({})
         self.device_part = DevicePart(self.stage.device, self.cfg.offload, pin_memory=self.stage.config.pin_memory)
         self.selected_at = None

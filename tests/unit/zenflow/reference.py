@@ -14,8 +14,12 @@ the mean gradient of every rank's micro-batches, following the algorithm as
 * every step, the selected elements (and every parameter of fewer than two dimensions) take one
   Adam step with ``c * g`` (bias correction counting the steps since the selection), and
   ``c * g`` is added into the window accumulator;
-* when the window closes the host Adam steps every element of ``X`` with the window mean; the
-  values reach ``Q`` at once, or with ``overlap`` when the next window closes (or at a selection);
+* when a window of ``n`` steps closes the host Adam steps every element of ``X`` with the window
+  mean: one step at ``n`` times the learning rate (``window_update="scaled"``), at ``sqrt(n)``
+  times ("sqrt"), ``n`` steps
+  ("repeat") or one plain step ("once"); the values reach ``Q`` at once, or with ``overlap``
+  ``apply_after`` steps after that close ("window": when the next window closes), at the latest
+  when the next window closes (or at a selection);
 * ``Q`` always holds the device values for the selected rows.
 """
 
@@ -56,7 +60,9 @@ class ZenFlowReference:
                  select_every=4,
                  warm_up=0,
                  overlap=False,
-                 auto_ratio=0.99):
+                 auto_ratio=0.99,
+                 window_update="scaled",
+                 apply_after=2):
         self.X = {n: p.detach().clone().float() for n, p in params.items()}
         self.Q = {n: p.clone() for n, p in self.X.items()}
         self.m_h = {n: torch.zeros_like(p) for n, p in self.X.items()}
@@ -70,6 +76,9 @@ class ZenFlowReference:
         self.warm_up = warm_up
         self.overlap = overlap
         self.auto_ratio = auto_ratio
+        self.window_update = window_update
+        self.apply_after = apply_after
+        self.launched_at = None
         self.rows = {}  # name -> selected rows (selectable parameters)
         self.dev = {}  # name -> (values, exp_avg, exp_avg_sq) of the selected elements
         self.dev_steps = 0
@@ -103,10 +112,22 @@ class ZenFlowReference:
         rows = target.view(target.shape[0], -1)
         rows[self.rows[name]] = values.view(len(self.rows[name]), -1)
 
-    def _host_step(self, grads):
+    def _host_step(self, grads, lr_scale=1.0):
         self.host_steps += 1
+        hp = dict(self.hp, lr=self.hp["lr"] * lr_scale)
         for n in self.X:
-            _adam(self.X[n], grads[n], self.m_h[n], self.v_h[n], self.host_steps, self.hp, self.host_fused)
+            _adam(self.X[n], grads[n], self.m_h[n], self.v_h[n], self.host_steps, hp, self.host_fused)
+
+    def _window_step(self, mean, n_steps):
+        if self.window_update == "scaled":
+            self._host_step(mean, lr_scale=float(n_steps))
+        elif self.window_update == "sqrt":
+            self._host_step(mean, lr_scale=math.sqrt(n_steps))
+        elif self.window_update == "repeat":
+            for _ in range(n_steps):
+                self._host_step(mean)
+        else:
+            self._host_step(mean)
 
     def _apply(self):
         for n in self.X:
@@ -146,12 +167,15 @@ class ZenFlowReference:
             if self.overlap:
                 if self.pending:
                     self._apply()
-                self._host_step(mean)
+                self._window_step(mean, n_acc)
                 self.pending = True
+                self.launched_at = self.steps
             else:
-                self._host_step(mean)
+                self._window_step(mean, n_acc)
                 self._apply()
             self.auto = None
+        elif (self.pending and self.apply_after != "window" and self.steps - self.launched_at >= self.apply_after):
+            self._apply()
         self._dev_into(self.Q)
         self.steps += 1
 

@@ -97,7 +97,9 @@ def reference_for(model, zenflow):
                             select_every=None if select == "auto" else select,
                             warm_up=zenflow.get("full_warm_up_rounds", 0),
                             overlap=zenflow.get("overlap_step", False),
-                            auto_ratio=zenflow.get("auto_ratio", 0.99))
+                            auto_ratio=zenflow.get("auto_ratio", 0.99),
+                            window_update=zenflow.get("window_update", "scaled"),
+                            apply_after=zenflow.get("overlap_apply_after", 2))
 
 
 def reference_grads(model, values, world, gas, step):
@@ -217,6 +219,55 @@ CASES = {
          world=1,
          gas=1,
          zenflow=dict(topk_ratio=1.0, update_interval=2, select_strategy="step", select_interval=2)),
+    # the window update and the overlapped host step's apply point: a window of 4 (applied 2 steps after its
+    # launch, mid-window), "repeat", and upstream's arithmetic ("once", applied when the next window closes)
+    "z2-w2-overlap-apply2":
+    dict(stage=2,
+         world=2,
+         gas=1,
+         zenflow=dict(topk_ratio=0.3, update_interval=4, select_strategy="step", select_interval=8,
+                      overlap_step=True)),
+    "z1-w2-repeat-apply1":
+    dict(stage=1,
+         world=2,
+         gas=2,
+         zenflow=dict(topk_ratio=0.2,
+                      update_interval=3,
+                      select_strategy="step",
+                      select_interval=6,
+                      overlap_step=True,
+                      overlap_apply_after=1,
+                      window_update="repeat")),
+    "z2-w1-repeat":
+    dict(stage=2,
+         world=1,
+         gas=1,
+         zenflow=dict(topk_ratio=0.25,
+                      update_interval=3,
+                      select_strategy="step",
+                      select_interval=3,
+                      window_update="repeat")),
+    "z2-w2-sqrt-overlap":
+    dict(stage=2,
+         world=2,
+         gas=1,
+         zenflow=dict(topk_ratio=0.3,
+                      update_interval=3,
+                      select_strategy="step",
+                      select_interval=6,
+                      overlap_step=True,
+                      window_update="sqrt")),
+    "z2-w2-once-window":
+    dict(stage=2,
+         world=2,
+         gas=2,
+         zenflow=dict(topk_ratio=0.3,
+                      update_interval=4,
+                      select_strategy="step",
+                      select_interval=4,
+                      overlap_step=True,
+                      overlap_apply_after="window",
+                      window_update="once")),
     "z2-w1-slow-worker":
     dict(stage=2,
          world=1,
@@ -335,6 +386,9 @@ BAD = {
     "interval_without_strategy": (2, dict(select_interval=4), "select_strategy"),
     "strategy_without_interval": (2, dict(select_strategy="step"), "select_interval"),
     "stage3": (3, dict(topk_ratio=0.1), "stage 3"),
+    "window_update_unknown": (2, dict(window_update="twice"), "window_update"),
+    "apply_after_zero": (2, dict(overlap_apply_after=0), "overlap_apply_after"),
+    "apply_after_word": (2, dict(overlap_apply_after="soon"), "overlap_apply_after"),
 }
 
 
