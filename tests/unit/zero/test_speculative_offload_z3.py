@@ -76,7 +76,7 @@ def _config(super_offload, gas, offload_param, dtype, clip, ratio=1.0):
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
-    else:
+    elif dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     return config
 
@@ -101,6 +101,8 @@ def _train(super_offload,
     ``twice``: the boundary micro-step runs a second forward and backward (its gathers read every unit again);
     ``groups``: two param groups (the persistent unit, the biases, has a segment in each)."""
     os.environ["DS_OFFLOAD_OVERLAP"] = "1"
+    if dtype == "fp32":  # an fp32 model is pipelined only on the host op
+        os.environ["DS_NATIVE_CPU_ADAM"] = "1"
     StepPipeline.piece_delay = delay
     try:
         torch.manual_seed(7)
@@ -120,7 +122,7 @@ def _train(super_offload,
         stage = engine._stage
         assert stage.unit_step is not None
         assert (stage.speculative is not None) == super_offload
-        model_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+        model_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         gen = torch.Generator().manual_seed(100 + rank)
         losses = []
@@ -163,6 +165,7 @@ def _train(super_offload,
     finally:
         StepPipeline.piece_delay = 0.0
         os.environ.pop("DS_OFFLOAD_OVERLAP", None)
+        os.environ.pop("DS_NATIVE_CPU_ADAM", None)
 
 
 def _assert_same(exact, speculative):
@@ -190,7 +193,8 @@ def _nothing_rolls_back(gas, offload_param, dtype, groups=False):
 
 
 @pytest.mark.parametrize("gas,offload_param,dtype", [(1, False, "bf16"), (2, False, "bf16"), (1, True, "bf16"),
-                                                     (2, True, "bf16"), (2, True, "fp16")])
+                                                     (2, True, "bf16"), (2, True, "fp16"), (2, True, "fp32"),
+                                                     (1, False, "fp32")])
 def test_nothing_rolls_back_world1(gas, offload_param, dtype):
     assert run_distributed(_nothing_rolls_back, 1, args=(gas, offload_param, dtype), timeout=300) == [True]
 
