@@ -337,11 +337,17 @@ def main(argv):
 
 
 # Speculative steps (offload_optimizer.super_offload) against the exact pipelined step: same bits after every step.
+Z3_BOTH_PINNED = dict(SMALL_UNITS, offload_optimizer=PIN, offload_param=PIN)
+Z3_OPTIMIZER_PINNED = dict(SMALL_UNITS, offload_optimizer=PIN)
+Z3_PARAM_RING = dict(SMALL_UNITS, offload_optimizer=PIN, offload_param=dict(PAGEABLE, buffer_count=2, buffer_size=700))
 SPECULATIVE_CASES = {
     "z2-gas2-noclip": dict(stage=2, gas=2, clip=1e6, zero={"offload_optimizer": PIN}),
     "z2-gas1-clip1": dict(stage=2, gas=1, clip=1.0, zero={"offload_optimizer": PIN}),
     "z1-gas2-fp16-noclip": dict(stage=1, gas=2, clip=1e6, dtype="fp16", zero={"offload_optimizer": PIN}),
     "z2-gas2-pageable-noclip": dict(stage=2, gas=2, clip=1e6, zero={"offload_optimizer": PAGEABLE}),
+    "z3-both-pinned-gas2-noclip": dict(stage=3, gas=2, clip=1e6, zero=Z3_BOTH_PINNED),
+    "z3-optimizer-only-gas1-clip1": dict(stage=3, gas=1, clip=1.0, zero=Z3_OPTIMIZER_PINNED),
+    "z3-param-ring-gas1-noclip": dict(stage=3, gas=1, clip=1e6, zero=Z3_PARAM_RING),
 }
 
 
@@ -365,8 +371,12 @@ def _train_speculative(case, device, super_offload, steps=5):
                     engine.backward(loss)
                     engine.step()
                 stage = engine._stage
+                if case["stage"] == 3:  # the whole 16-bit parameters (completes a step still running)
+                    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                        entry = [p.detach().float().cpu().clone() for p in engine.module.parameters()]
+                else:
+                    entry = [v.detach().float().cpu().clone() for v in engine.module.state_dict().values()]
                 stage._masters_current()
-                entry = [v.detach().float().cpu().clone() for v in engine.module.state_dict().values()]
                 entry += [m.detach().cpu().clone() for m in stage.masters]
                 for master in stage.masters:
                     state = stage.optimizer.state.get(master, {})

@@ -237,7 +237,7 @@ class HostStep:
         self.fresh = False
 
     @torch.no_grad()
-    def step_spans(self, spans, send_for=None, grad_scale=1.0, background=False, before_write=None):
+    def step_spans(self, spans, send_for=None, grad_scale=1.0, background=False, before_write=None, begun=None):
         """Pipelined (needs :attr:`pipeline`): step ``spans`` in the order given, each sent on when stepped.
 
         ``spans`` are ``(group, start, length)`` runs of the partitions that together cover every stepped group
@@ -245,8 +245,9 @@ class HostStep:
         device range begins or ends. ``send_for(group, start, length, on_device)`` returns a piece's ``send``
         (or None: nothing to send, the host wait is enough). ``before_write`` is waited for before the targets
         are written (as in :meth:`step`). With ``background`` the call returns at once (no collective is issued
-        by a piece); :meth:`wait_for_piece` and :meth:`finish` wait. Returns, per span, the index of its last
-        piece (what :meth:`wait_for_piece` takes before the span's values are read).
+        by a piece); :meth:`wait_for_piece` and :meth:`finish` wait. ``begun`` continues a step begun earlier, as
+        in :meth:`step_and_gather`. Returns, per span, the index of its last piece (what :meth:`wait_for_piece`
+        takes before the span's values are read).
         """
         self.wait_readers(before_write)
         self.transfers.after_current()  # the sends overwrite what the compute stream may still read
@@ -256,8 +257,10 @@ class HostStep:
                 send = send_for(g, lo, hi - lo, dev) if send_for is not None else None
                 pieces.append(StepPiece(g, lo, hi - lo, send, on_device=dev))
             last.append(len(pieces) - 1)
+        prepared, stepped = begun if begun is not None else (None, ())
+        stepped = [i for i, piece in enumerate(pieces) if (piece.group, piece.start) in stepped]
         with ds_range("DS::host_step"):
-            self.pipeline.launch(pieces, grad_scale, background=background)
+            self.pipeline.launch(pieces, grad_scale, background=background, prepared=prepared, stepped=stepped)
         self._reading = _StreamDone(self.transfers)
         self.fresh = False
         return last

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Speculative offloaded steps (``offload_optimizer.super_offload``, ZeRO stages 1 and 2).
+"""Speculative offloaded steps (``offload_optimizer.super_offload``, ZeRO stages 1, 2 and 3).
 
 The exact pipelined step (:mod:`~deepspeed.runtime.zero.step_pipeline`) cannot start before ``engine.step()``:
 clipping and the fp16 overflow check need the global gradient norm, which needs every gradient. A speculative
@@ -31,6 +31,14 @@ step starts earlier, betting that the step will neither clip nor overflow:
   late pass of reentrant checkpointing) rolls back at once ("regradient") and the window does not speculate
   again; so do a read of the masters or of the optimizer state before the verdict (``_masters_current``:
   accessors, checkpoints; "read") and a window discarded without a step (``zero_grad()``; "discarded").
+
+ZeRO-3 (``Stage3``): the pieces are the overlapped step's (``UnitStep.speculative_pieces``: each unit's segment
+of a group, in the next forward's gather order); a unit's fold in the boundary backward queues its pieces, and a
+kept verdict hands them to ``HostStep.step_spans(begun=...)``, which steps the rest while the next forward's
+gathers wait per unit. With ``offload_param`` the targets are the host shards every gather uploads from: the
+speculative pieces write their 16-bit values into staging buffers (``staged_targets``) that a kept verdict copies
+into the shards, so no gather before the verdict (a second forward in the boundary micro-step, an eval forward,
+``GatheredParameters``) reads a speculative value, and a rollback leaves the shards as they are.
 
 Adaptive policy: a window speculates only when the previous boundary step would not have rolled back for
 clipping or overflow (its coefficient was 1 and its gradient finite); with clipping off and no overflow check
@@ -86,21 +94,37 @@ class _Speculation:
         self.cancelled = False
 
 
-class SpeculativeStep:
-    """The speculative step of one ``PartitionedStage`` with a pipelined host step (see the module docstring)."""
+def bucket_pieces(stage):
+    """ZeRO 1-2: each bucket's piece, keyed by its gradient partition piece, ranked by bucket index (a larger rank
+    is needed earlier by the next forward)."""
+    layout = stage.layout
+    pieces = {}
+    for bucket in layout.buckets:
+        dest = layout.bucket_part(stage.geometry.grad_parts[bucket.group], bucket)
+        if dest.numel():
+            pieces[(dest.data_ptr(), dest.numel())] = (bucket.index,
+                                                       StepPiece(bucket.group, bucket.part_offset, bucket.chunk))
+    return pieces
 
-    def __init__(self, stage):
+
+class SpeculativeStep:
+    """The speculative step of one partitioned stage with a pipelined host step (see the module docstring).
+
+    ``pieces(stage)`` gives the step's pieces: ``{(data_ptr, numel) of the gradient partition piece a fold writes:
+    (rank, StepPiece)}``, ranks distinct, a larger rank needed earlier by the next forward (default: ZeRO 1-2's
+    buckets); it is read again when a window begins to speculate (ZeRO-3's order follows the traced forward).
+    With ``staged_targets`` the speculative pieces write their 16-bit values into a buffer of their own, copied
+    into the targets only by a kept verdict: targets that the backward reads (ZeRO-3's host shards under
+    ``offload_param``, which a re-gather uploads) never hold a speculative value.
+    """
+
+    def __init__(self, stage, pieces=bucket_pieces, staged_targets=False):
         self.stage = stage
         self.host_step = stage.host_step
         self.pipeline = self.host_step.pipeline
-        layout = stage.layout
-        self._pieces = {}  # key of a bucket's gradient partition piece -> the StepPiece of the bucket
-        for bucket in layout.buckets:
-            dest = layout.bucket_part(stage.geometry.grad_parts[bucket.group], bucket)
-            if dest.numel():
-                self._pieces[(dest.data_ptr(), dest.numel())] = (bucket.index,
-                                                                 StepPiece(bucket.group, bucket.part_offset,
-                                                                           bucket.chunk))
+        self._pieces_of = pieces
+        self._pieces = pieces(stage)  # key of a gradient partition piece -> (rank, StepPiece)
+        self._staged = {} if staged_targets else None  # group -> the speculative pieces' 16-bit values
         self._backups = None
         self._active = None
         self._closed_window = False  # this window speculates no more (spoiled, or the policy said no)
@@ -116,8 +140,9 @@ class SpeculativeStep:
         return self._active is not None
 
     def backup_nbytes(self):
-        """Host bytes of the backup buffers (0 before the first speculation)."""
-        return sum(b.nbytes() for b in self._backups.values()) if self._backups else 0
+        """Host bytes of the backup buffers and staged targets (0 before the first speculation)."""
+        staged = sum(t.numel() * t.element_size() for t in self._staged.values()) if self._staged else 0
+        return staged + (sum(b.nbytes() for b in self._backups.values()) if self._backups else 0)
 
     # ---------------------------------------------------------- the folder's hooks
     def barrier(self):
@@ -174,15 +199,17 @@ class SpeculativeStep:
                 time.sleep(delay)
             spec.touched.append(step_piece)
             with ds_range("DS::speculative_piece"):
-                pipeline.step_host_piece(spec.prepared[step_piece.group], step_piece, 1.0,
-                                         self._backups[step_piece.group])
+                g = step_piece.group
+                pipeline.step_host_piece(spec.prepared[g], step_piece, 1.0, self._backups[g], self._out(g))
 
         pipeline.host_worker().submit(run)
 
     # -------------------------------------------------------------- the verdict
-    def verdict(self, grad_scale):
+    def verdict(self, grad_scale, before_write=None):
         """At the step, ``grad_scale`` being the clipping coefficient: ``(prepared, stepped)`` to continue a kept
-        speculation with (``HostStep.step_and_gather(begun=...)``), or None (none, or rolled back: step exactly)."""
+        speculation with (``HostStep.step_and_gather`` / ``step_spans(begun=...)``), or None (none, or rolled back:
+        step exactly). Staged targets of a kept speculation are copied into the targets first, once nothing reads
+        them (``before_write``: other readers, as ``HostStep.step`` takes it)."""
         self.stats["boundary_steps"] += 1
         self._previous_ok = grad_scale == 1.0
         spec = self._take()
@@ -196,6 +223,13 @@ class SpeculativeStep:
         if reason is not None:
             self._roll_back(spec, reason)
             return None
+        if self._staged is not None and spec.touched:
+            host_step = self.host_step
+            host_step.wait_readers(before_write)
+            with ds_range("DS::speculative_commit"), torch.no_grad():
+                for piece in spec.touched:
+                    span = (0, piece.start, piece.length)
+                    host_step.targets[piece.group].narrow(*span).copy_(self._staged[piece.group].narrow(*span))
         self.stats["kept"] += 1
         self.stats["pieces_early"] += len(spec.touched)
         if logger.isEnabledFor(logging.DEBUG):
@@ -233,6 +267,10 @@ class SpeculativeStep:
     def _key(piece):
         return (piece.data_ptr(), piece.numel())
 
+    def _out(self, g):
+        """Where group ``g``'s speculative pieces write their 16-bit values (None: the targets)."""
+        return self._staged[g] if self._staged is not None else None
+
     def _in_boundary_backward(self):
         stage = self.stage
         clock = stage.clock
@@ -252,7 +290,12 @@ class SpeculativeStep:
                 steps_before[g] = step.clone() if torch.is_tensor(step) else step
             else:
                 created.add(g)
+        self._pieces = self._pieces_of(self.stage)
         prepared = self.pipeline.prepare()
+        if self._staged is not None:
+            for g in prepared:
+                if g not in self._staged:
+                    self._staged[g] = torch.empty_like(host_step.targets[g])
         if self._backups is None:
             self._backups = {g: host_adam.StepBackup(masters[g], host_step.targets[g].dtype) for g in prepared}
         for g in prepared:
@@ -290,8 +333,10 @@ class SpeculativeStep:
         with ds_range("DS::speculative_rollback"), torch.no_grad():
             for piece in spec.touched:
                 master, _, state, _ = spec.prepared[piece.group]
-                self._backups[piece.group].restore(master, state, host_step.targets[piece.group], piece.start,
-                                                   piece.length)
+                out = self._out(piece.group)
+                if out is None:
+                    out = host_step.targets[piece.group]
+                self._backups[piece.group].restore(master, state, out, piece.start, piece.length)
             for g in spec.prepared:
                 master = host_step.masters[g]
                 if g in spec.created:

@@ -24,7 +24,8 @@ of the master.
 With ``offload_optimizer`` and the pipelined host step, ``step()`` returns while the host
 steps those segments in the next forward's gather order, and each unit's gather waits for
 its own (``unit_step.py``); everything else that reads or writes the step's state completes
-it first.
+it first. With ``offload_optimizer.super_offload`` the units' pieces start in the boundary backward
+as their folds complete (``speculative_step.py``) and ``step()`` keeps or rolls them back.
 """
 
 import torch
@@ -42,6 +43,7 @@ from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zer
 from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import UnitGeometry
+from deepspeed.runtime.zero.speculative_step import SpeculativeStep
 from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
 from deepspeed.runtime.zero.transfers import DONE, pinned
 from deepspeed.runtime.zero.unit_step import UnitStep
@@ -151,6 +153,21 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             geometry.folder.barrier = self.host_step.finish
             for sub in module.modules():
                 self._state_dict_hooks.append(sub.register_state_dict_pre_hook(self._state_dict_pre_hook))
+        # Speculative steps (``super_offload``, ``speculative_step.py``): a unit's pieces start in the boundary
+        # backward once its fold completes; under parameter offload their 16-bit values wait for the verdict
+        # (staged), since the backward's re-gathers read the host shards.
+        self.speculative = None
+        if config.super_offload:
+            if self.unit_step is None or self.host_step.share is not None:
+                self.release()
+                raise NotImplementedError(
+                    "offload_optimizer.super_offload on ZeRO stage 3 needs the overlapped offloaded step: "
+                    "DeepSpeedCPUAdam on the host Adam op (a C++ compiler), a bf16/fp16 model (fp32 only with "
+                    "DS_NATIVE_CPU_ADAM=1), float32 gradient accumulation, DS_OFFLOAD_OVERLAP not 0, and the whole "
+                    "optimizer state on the host (offload_optimizer.ratio 1); see docs/offload.md")
+            self.speculative = SpeculativeStep(self,
+                                               pieces=lambda stage: stage.unit_step.speculative_pieces(),
+                                               staged_targets=self._host_shards)
         self._gather_persistent()
 
     @property
@@ -192,7 +209,11 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def optimizer_step(self):
         if self.unit_step is not None:
             with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
-                self.unit_step.launch(self._take_grad_scale())
+                grad_scale = self._take_grad_scale()
+                begun = None
+                if self.speculative is not None:
+                    begun = self.speculative.verdict(grad_scale, before_write=self.fetch)
+                self.unit_step.launch(grad_scale, begun=begun)
             # the gathered copies are stale; the persistent unit's gather waits for its pieces (stepped first)
             self.coordinator.release_all()
             self._gather_persistent()
@@ -231,6 +252,22 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         self.coordinator.release_all()
         self._gather_persistent()
 
+    def found_overflow(self):
+        overflow = super().found_overflow()
+        if overflow and self.speculative is not None:
+            self.speculative.overflow()
+        return overflow
+
+    def zero_window(self):
+        if self.speculative is not None:
+            self.speculative.new_window()
+        super().zero_window()
+
+    @property
+    def speculative_stats(self):
+        """The counters of the speculative step (``super_offload``), or None without it."""
+        return self.speculative.stats if self.speculative is not None else None
+
     def after_forward(self):
         self.coordinator.end_of_first_forward()
 
@@ -249,6 +286,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         self._step_done()
 
     def release(self):
+        if getattr(self, "speculative", None) is not None:
+            self.speculative.close()
         for handle in self._state_dict_hooks:
             handle.remove()
         self._state_dict_hooks = []
@@ -262,6 +301,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         return Stage3Checkpoint(self)
 
     def _masters_current(self):
+        if getattr(self, "speculative", None) is not None:
+            self.speculative.before_read()
         if self.host_step is not None:
             self.host_step.sync_host()
 

@@ -37,7 +37,7 @@ class StageConfig:
     param_buffer_count: int = 5  # offload_param.buffer_count: pinned staging buffers for unpinned shards
     param_buffer_numel: int = int(1e8)  # offload_param.buffer_size: elements per staging buffer
     zenflow: Optional[object] = None  # a ZenFlowConfig (zero_optimization.zenflow), or None
-    super_offload: bool = False  # offload_optimizer.super_offload: speculative steps (stages 1, 2)
+    super_offload: bool = False  # offload_optimizer.super_offload: speculative steps (stages 1-3)
     unit_numel: int = int(5e7)  # stage 3: stage3_prefetch_bucket_size
     persistence_threshold: int = int(1e5)  # stage 3: stage3_param_persistence_threshold
 
@@ -53,9 +53,12 @@ class StageConfig:
         check_zenflow_stage(zero.zenflow, stage, offload_optimizer)
         opt_section = zero.offload_optimizer if offload_optimizer == "cpu" else None
         super_offload = bool(opt_section is not None and opt_section.super_offload)
-        if super_offload and (stage == 3 or zero.zenflow is not None):
+        if super_offload and zero.zenflow is not None:
             raise NotImplementedError("zero_optimization.offload_optimizer.super_offload (speculative steps) is "
-                                      "supported on ZeRO stages 1 and 2 without ZenFlow; see docs/offload.md")
+                                      "not supported with ZenFlow; see docs/offload.md")
+        if super_offload and stage == 3 and float(opt_section.ratio) < 1.0:
+            raise NotImplementedError("zero_optimization.offload_optimizer.super_offload (speculative steps) on ZeRO "
+                                      "stage 3 needs offload_optimizer.ratio 1 (no device share); see docs/offload.md")
         param_section = zero.offload_param if offload_param == "cpu" else None
         return cls(stage=stage,
                    model_dtype=model_dtype,

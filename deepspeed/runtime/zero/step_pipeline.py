@@ -134,12 +134,13 @@ class StepPipeline:
             prepared[g] = (master.data, grad, state, host_adam.begin_step(group, master.data, state))
         return prepared
 
-    def step_host_piece(self, entry, piece, grad_scale=1.0, backup=None):
+    def step_host_piece(self, entry, piece, grad_scale=1.0, backup=None, out=None):
         """Step host piece ``piece`` with ``entry`` (one group's value of :meth:`prepare`): its masters, moments and
-        16-bit target; ``backup`` (a ``host_adam.StepBackup`` of the group) first receives what it overwrites."""
+        16-bit target (``out``: another tensor of the target's shape and dtype receives the 16-bit values instead);
+        ``backup`` (a ``host_adam.StepBackup`` of the group) first receives what it overwrites."""
         host_step = self.host_step
         param, grad, state, scalars = entry
-        full = host_step.targets[piece.group]
+        full = host_step.targets[piece.group] if out is None else out
         writes = full.dtype != torch.float32  # the op writes a 16-bit copy in its pass
         if backup is not None and not writes:
             backup.out.narrow(0, piece.start, piece.length).copy_(full.narrow(0, piece.start, piece.length))

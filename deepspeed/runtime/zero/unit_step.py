@@ -30,6 +30,7 @@ folds of the next backward, accessors, checkpoints, ``state_dict``, ``GatheredPa
 
 import torch
 
+from deepspeed.runtime.zero.step_pipeline import StepPiece
 from deepspeed.runtime.zero.transfers import DONE, Transfer
 
 
@@ -70,17 +71,35 @@ class UnitStep:
                                    f"elements of param group {g}'s partition")
         return spans, owners
 
-    def launch(self, grad_scale):
-        """Start the step in the background; the next gathers wait through :meth:`wait_for`."""
+    def launch(self, grad_scale, begun=None):
+        """Start the step in the background; the next gathers wait through :meth:`wait_for`. ``begun`` (a kept
+        speculative step's ``(prepared, stepped)``, ``speculative_step``) continues it: its pieces are only sent."""
         stage = self.stage
         host_step = stage.host_step
         spans, owners = self.spans()
         send_for = self._share_marker if stage.fetch is not None else self._upload_into_shards
-        last = host_step.step_spans(spans, send_for, grad_scale=grad_scale, background=True, before_write=stage.fetch)
+        last = host_step.step_spans(spans,
+                                    send_for,
+                                    grad_scale=grad_scale,
+                                    background=True,
+                                    before_write=stage.fetch,
+                                    begun=begun)
         through = {}
         for unit_index, piece in zip(owners, last):
             through[unit_index] = max(through.get(unit_index, -1), piece)
         self.through = through
+
+    def speculative_pieces(self):
+        """The step's pieces for ``SpeculativeStep``: each unit's segment of a group, keyed by its gradient
+        partition piece (what the unit's fold writes), ranked so that the first in the next forward's gather order
+        has the largest rank."""
+        grad_parts = self.stage.geometry.grad_parts  # not partitions(): that settles the folds
+        spans, _ = self.spans()
+        pieces = {}
+        for position, (g, start, length) in enumerate(spans):
+            dest = grad_parts[g].narrow(0, start, length)
+            pieces[(dest.data_ptr(), length)] = (len(spans) - position, StepPiece(g, start, length))
+        return pieces
 
     def wait_for(self, unit):
         """Before ``unit``'s shards are read for a gather: the pieces covering them are stepped and sent."""
