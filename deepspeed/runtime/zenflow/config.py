@@ -23,18 +23,18 @@ key                         default     meaning here
                                         worker takes the rest
 ``steps_per_epoch``         None        epoch length in optimizer steps for the "epoch" strategy
                                         (the engine sets it from its training dataloader)
-``overlap_apply_after``     2           (not upstream's) with ``overlap_step``: how many optimizer steps
-                                        after its launch a window's host step is applied, at the
-                                        latest when the next window closes; "window": at that close
-                                        (upstream's); at the second step the host worker has
-                                        finished it anyway (it runs before the next step's
-                                        accumulation, which the second step waits for)
-``window_update``           "scaled"    (not upstream's) how the host step of a window of ``n`` steps
-                                        moves the unselected elements: "scaled", one Adam step
-                                        with ``n`` times the learning rate; "sqrt", with
+``overlap_apply_after``     "window"    (not an upstream key) with ``overlap_step``: when a window's
+                                        host step is applied: "window", when the next window
+                                        closes (upstream's); a number ``k``: ``k`` optimizer steps
+                                        after its launch, at the latest at that close (at the
+                                        second step the host worker has finished it anyway)
+``window_update``           "once"      (not an upstream key) how the host step of a window of
+                                        ``n`` steps moves the unselected elements: "once", one
+                                        plain Adam step (upstream's arithmetic); "scaled", one
+                                        Adam step with ``n`` times the learning rate; "sqrt", with
                                         ``sqrt(n)`` times; "repeat", ``n`` Adam steps with the
-                                        window's mean gradient; "once", one plain Adam step
-                                        (upstream's arithmetic)
+                                        window's mean gradient (docs/offload.md: measured, none
+                                        is better than "once" on the GPU reference model)
 ==========================  ==========  ===========================================================
 
 Errors (:class:`DeepSpeedConfigError`, raised while the config is parsed, so on every rank
@@ -93,8 +93,8 @@ class ZenFlowConfig(ConfigSection):
     full_warm_up_rounds: int = config_field(0, parse=integer(minimum=0))
     pt_reserved_cores_perc: float = config_field(0.5, parse=number(minimum=0.0, maximum=1.0))
     steps_per_epoch: Optional[int] = config_field(None, parse=optional(integer(minimum=1)))
-    window_update: str = config_field("scaled", parse=one_of(WINDOW_UPDATES))
-    overlap_apply_after: Union[str, int] = config_field(2, parse=_apply_after())
+    window_update: str = config_field("once", parse=one_of(WINDOW_UPDATES))
+    overlap_apply_after: Union[str, int] = config_field("window", parse=_apply_after())
 
     @classmethod
     def _finalize(cls, values, spelled, path):

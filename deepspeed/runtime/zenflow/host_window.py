@@ -15,7 +15,7 @@ buffers of the stage's :class:`~deepspeed.runtime.zero.offload_step.HostStep`.
 
 How far that step moves (``zenflow.window_update``): Adam's step size does not grow with
 the gradient, so one step per window moves the unselected elements about ``n`` times slower
-than the selected ones, which take the window's ``n`` steps. "scaled" (the default) takes
+than the selected ones, which take the window's ``n`` steps. "scaled" takes
 one Adam step with ``n`` times each group's learning rate (decoupled weight decay, which the
 learning rate multiplies, then decays as ``n`` steps would); "repeat" takes ``n`` Adam steps
 with the same mean gradient (``n`` host passes; the moments see the mean ``n`` times);
@@ -50,7 +50,7 @@ def optimizer_snapshot(optimizer):
 class HostWindow:
     """Accumulates the host part over a window and steps it on a worker thread (see the module docstring)."""
 
-    def __init__(self, host_step, *, threads, update="scaled"):
+    def __init__(self, host_step, *, threads, update="once"):
         if update not in WINDOW_UPDATES:
             raise ValueError(f"zenflow.window_update must be one of {list(WINDOW_UPDATES)}, got {update!r}")
         self.update = update

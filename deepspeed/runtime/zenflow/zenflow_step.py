@@ -20,15 +20,15 @@ engine, and does not count):
    takes one Adam step with ``c_t * g_t`` of its elements, every step: it is exact every step;
 4. ``c_t * g_t`` is added into the host window accumulator (on a worker thread);
 5. when a window of ``n`` steps closes (``update_interval`` steps, or the "auto" rule below),
-   the host optimizer steps every master with the window's mean ``(1/n) sum c_t g_t``, as far
-   as the window's ``n`` steps would move them (``window_update``: one Adam step at ``n`` times
-   the learning rate by default, see ``host_window.py``); its values reach the model's 16-bit
-   parameters, except the selected rows, which keep the device part's. Without
+   the host optimizer steps every master with the window's mean ``(1/n) sum c_t g_t``
+   (``window_update``: one plain Adam step by default, upstream's arithmetic; or as far as the
+   window's ``n`` steps would move them, see ``host_window.py``); its values reach the model's
+   16-bit parameters, except the selected rows, which keep the device part's. Without
    ``overlap_step`` that happens at once (the host step blocks); with it, the step runs on the
-   worker thread during the next window and its values are applied ``overlap_apply_after``
-   steps after the launch (2: by then the worker has finished it, since that step waits for
-   the accumulation queued behind it), at the latest when that window closes, or earlier at a
-   selection: the unselected rows are 2 steps stale ("window": a whole window, upstream's).
+   worker thread during the next window and its values are applied when that window closes
+   (upstream's), or earlier at a selection, or ``overlap_apply_after`` steps after the launch
+   when that is a number (2: by then the worker has finished it, since that step waits for
+   the accumulation queued behind it).
 
 The model's 16-bit parameters therefore hold, at every step, the device part's values for
 the selected rows and the last applied host values for the others. On ``W > 1`` ranks every

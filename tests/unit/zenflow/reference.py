@@ -61,8 +61,8 @@ class ZenFlowReference:
                  warm_up=0,
                  overlap=False,
                  auto_ratio=0.99,
-                 window_update="scaled",
-                 apply_after=2):
+                 window_update="once",
+                 apply_after="window"):
         self.X = {n: p.detach().clone().float() for n, p in params.items()}
         self.Q = {n: p.clone() for n, p in self.X.items()}
         self.m_h = {n: torch.zeros_like(p) for n, p in self.X.items()}

@@ -98,8 +98,8 @@ def reference_for(model, zenflow):
                             warm_up=zenflow.get("full_warm_up_rounds", 0),
                             overlap=zenflow.get("overlap_step", False),
                             auto_ratio=zenflow.get("auto_ratio", 0.99),
-                            window_update=zenflow.get("window_update", "scaled"),
-                            apply_after=zenflow.get("overlap_apply_after", 2))
+                            window_update=zenflow.get("window_update", "once"),
+                            apply_after=zenflow.get("overlap_apply_after", "window"))
 
 
 def reference_grads(model, values, world, gas, step):
@@ -257,7 +257,7 @@ CASES = {
                       select_interval=6,
                       overlap_step=True,
                       window_update="sqrt")),
-    "z2-w2-once-window":
+    "z2-w2-scaled-apply2":
     dict(stage=2,
          world=2,
          gas=2,
@@ -266,8 +266,8 @@ CASES = {
                       select_strategy="step",
                       select_interval=4,
                       overlap_step=True,
-                      overlap_apply_after="window",
-                      window_update="once")),
+                      overlap_apply_after=2,
+                      window_update="scaled")),
     "z2-w1-slow-worker":
     dict(stage=2,
          world=1,
