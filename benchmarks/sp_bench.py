@@ -60,7 +60,10 @@ TINY = dict(LLAMA_3_2_1B,
 
 
 def _shape(args):
-    return dict(TINY if args.tiny else LLAMA_3_2_1B, tie_word_embeddings=bool(args.tied))
+    shape = dict(TINY if args.tiny else LLAMA_3_2_1B, tie_word_embeddings=bool(args.tied))
+    if getattr(args, "layers", 0):
+        shape["num_hidden_layers"] = args.layers
+    return shape
 
 
 def _device(args):
@@ -412,7 +415,7 @@ def _child(args, impl, compare_at, out):
     else:
         env["PYTHONPATH"] = os.pathsep.join([args.upstream_path, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--out", out]
-    for name in ("start", "cap", "resolution", "time_budget", "logits_tile", "trace_peak"):
+    for name in ("start", "cap", "resolution", "time_budget", "logits_tile", "trace_peak", "layers"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--no-throughput"] if args.no_throughput else []
@@ -456,6 +459,13 @@ def main():
                         help="bytes kept for backward, tiled and not "
                         "(meta device; this package's tools)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test)")
+    parser.add_argument("--layers",
+                        type=int,
+                        default=0,
+                        help="decoder layers (default: the model's 16). With every layer checkpointed one layer's "
+                        "recomputation is live at a time, so a model of fewer layers finds the device-memory limit "
+                        "of a length at a fraction of its step time; add the other layers' parameters and "
+                        "optimizer state to its peak")
     parser.add_argument("--no-recompute-norms",
                         action="store_true",
                         help="this package without enable_recompute_in_backward on the norms")
