@@ -252,22 +252,6 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         self.coordinator.release_all()
         self._gather_persistent()
 
-    def found_overflow(self):
-        overflow = super().found_overflow()
-        if overflow and self.speculative is not None:
-            self.speculative.overflow()
-        return overflow
-
-    def zero_window(self):
-        if self.speculative is not None:
-            self.speculative.new_window()
-        super().zero_window()
-
-    @property
-    def speculative_stats(self):
-        """The counters of the speculative step (``super_offload``), or None without it."""
-        return self.speculative.stats if self.speculative is not None else None
-
     def after_forward(self):
         self.coordinator.end_of_first_forward()
 

@@ -156,22 +156,6 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         if self.zenflow is not None:
             self.zenflow.before_step()
 
-    def found_overflow(self):
-        overflow = super().found_overflow()
-        if overflow and self.speculative is not None:
-            self.speculative.overflow()
-        return overflow
-
-    def zero_window(self):
-        if self.speculative is not None:
-            self.speculative.new_window()
-        super().zero_window()
-
-    @property
-    def speculative_stats(self):
-        """The counters of the speculative step (``super_offload``), or None without it."""
-        return self.speculative.stats if self.speculative is not None else None
-
     def scale_grads(self, coef):
         if self.zenflow is not None:  # ZenFlow applies the coefficient to what each part reads
             self.zenflow.set_clip(coef)

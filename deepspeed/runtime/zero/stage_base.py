@@ -167,8 +167,18 @@ class ZeroStage:
                 self._norm = sq.sqrt()
         return self._norm
 
+    speculative = None  # a SpeculativeStep (offload_optimizer.super_offload, stages 1-3), or None
+
     def found_overflow(self):
-        return not bool(torch.isfinite(self.global_grad_norm()).item())
+        overflow = not bool(torch.isfinite(self.global_grad_norm()).item())
+        if overflow and self.speculative is not None:
+            self.speculative.overflow()
+        return overflow
+
+    @property
+    def speculative_stats(self):
+        """The counters of the speculative step (``super_offload``), or None without it."""
+        return self.speculative.stats if self.speculative is not None else None
 
     def scale_grads(self, coef):
         """Multiply the window gradient by ``coef`` (a 0-dim device tensor; clipping).
@@ -202,6 +212,8 @@ class ZeroStage:
         return scale
 
     def zero_window(self):
+        if self.speculative is not None:
+            self.speculative.new_window()
         self._step_grad_scale = 1.0
         self._norm = None
         self.pipeline.zero_window()
