@@ -21,6 +21,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream "$WHEELS"/*.whl >"$OUT/pip.log" 2>&1
 # shellcheck disable=SC2206  # BENCH_EXTRA: more train_bench options (a small model for a dry run)
 BENCH=(--warmup 2 --steps "$STEPS" ${BENCH_EXTRA:-})
+export T_RUN=${T_RUN:-110}
 SPEC='{"zero_optimization": {"offload_optimizer": {"super_offload": true}}}'
 SPEC_SYSTEMS=${SPEC_SYSTEMS:-ds_zero2+offload}
 
@@ -30,18 +31,8 @@ if [ "${T_TESTS:-120}" != 0 ]; then
     grep "^PASS\|^FAIL\|passed" "$OUT/tests.log" | tail -n 20
 fi
 
-run() {  # run NAME OUTFILE [VAR=VALUE...] -- train_bench args
-    local name=$1 file=$2
-    shift 2
-    local vars=()
-    while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do vars+=("$1"); shift; done
-    shift
-    echo "== $name"
-    env "${vars[@]}" timeout "${T_RUN:-110}" python3 benchmarks/train_bench.py "$@" "${BENCH[@]}" \
-        --out "$OUT/$file.md" >"$OUT/$file.log" 2>&1
-    grep "deepspeed.*from\|^| " "$OUT/$file.log" | grep -v "^| ---" | grep -v "^| system" | head -4
-    grep -o '"speculative_stats": {[^}]*}[^}]*}' "$OUT/$file.jsonl" 2>/dev/null | head -2
-}
+# shellcheck source=benchmarks/bench_run.sh
+source benchmarks/bench_run.sh
 run "ours: exact offload, clip 1.0" ours_exact DS_BENCH_UPSTREAM=0 -- --systems ds_zero2+offload,ds_zero3+offload
 run "ours: speculative offload, clip 1.0" ours_spec DS_BENCH_UPSTREAM=0 -- --systems "$SPEC_SYSTEMS" --ds-extra "$SPEC"
 run "ours: exact offload, no clipping" ours_exact_noclip DS_BENCH_UPSTREAM=0 -- --systems "$SPEC_SYSTEMS" --clip 0

@@ -33,17 +33,8 @@ timeout "${T_PROFILE:-90}" python3 benchmarks/profile_step.py --systems ds_zero2
     --timeline --top 12 >"$OUT/profile.txt" 2>&1
 grep -v "^| DS::\(reduce_launch\|fold\|host_fold\) " "$OUT/profile.txt" | grep "step .* wall\|^| DS::\|busy\|^  " | head -60
 
-run() {  # run NAME OUTFILE [VAR=VALUE...] -- train_bench args
-    local name=$1 file=$2
-    shift 2
-    local vars=()
-    while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do vars+=("$1"); shift; done
-    shift
-    echo "== $name"
-    env "${vars[@]}" timeout "${T_RUN:-100}" python3 benchmarks/train_bench.py "$@" "${BENCH[@]}" \
-        --out "$OUT/$file.md" >"$OUT/$file.log" 2>&1
-    grep "deepspeed.*from\|^| " "$OUT/$file.log" | grep -v "^| ---" | grep -v "^| system" | head -4
-}
+# shellcheck source=benchmarks/bench_run.sh
+source benchmarks/bench_run.sh
 run "ours: pipelined offload" ours DS_BENCH_UPSTREAM=0 -- --systems ds_zero2+offload,ds_zero3+offload
 run "ours: whole-partition step (DS_OFFLOAD_OVERLAP=0)" ours_plain DS_OFFLOAD_OVERLAP=0 -- \
     --systems ds_zero2+offload,ds_zero3+offload
