@@ -40,8 +40,9 @@ def enable_recompute_in_backward(model: torch.nn.Module,
         plain = module.forward
 
         def forward(x, _plain=plain, _module=module):
-            if _module._ds_recomputing or not torch.is_grad_enabled() or not (
-                    x.requires_grad or any(p.requires_grad for p in _module.parameters())):
+            if _module._ds_recomputing or not torch.is_grad_enabled() or not (x.requires_grad
+                                                                              or any(p.requires_grad
+                                                                                     for p in _module.parameters())):
                 return _plain(x)
             return AutogradComputeMLP.apply(_call_plain, _module, x)
 

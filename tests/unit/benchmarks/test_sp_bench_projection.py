@@ -19,10 +19,26 @@ def sp_bench():
 
 def test_projection_is_the_line_through_the_two_longest_successes(sp_bench):
     trials = [
-        {"seq": 1000, "ok": True, "peak_gib": 30.0},
-        {"seq": 2000, "ok": True, "peak_gib": 31.0},
-        {"seq": 4000, "ok": True, "peak_gib": 35.0},  # 2 GiB per 1000 tokens from here
-        {"seq": 8000, "ok": False, "peak_gib": 90.0},  # failures do not count
+        {
+            "seq": 1000,
+            "ok": True,
+            "peak_gib": 30.0
+        },
+        {
+            "seq": 2000,
+            "ok": True,
+            "peak_gib": 31.0
+        },
+        {
+            "seq": 4000,
+            "ok": True,
+            "peak_gib": 35.0
+        },  # 2 GiB per 1000 tokens from here
+        {
+            "seq": 8000,
+            "ok": False,
+            "peak_gib": 90.0
+        },  # failures do not count
     ]
     got = sp_bench.project(trials, 45.0)
     # 35 + 2/1000 * (s - 4000) = 45  ->  s = 9000
@@ -35,21 +51,68 @@ def test_projection_needs_two_lengths_and_growth(sp_bench):
     flat = [{"seq": 1000, "ok": True, "peak_gib": 3.0}, {"seq": 2000, "ok": True, "peak_gib": 3.0}]
     assert sp_bench.project(flat, 10.0) is None
     # a repeated length keeps its largest peak
-    rep = [{"seq": 1000, "ok": True, "peak_gib": 2.0}, {"seq": 1000, "ok": True, "peak_gib": 4.0},
-           {"seq": 2000, "ok": True, "peak_gib": 5.0}]
+    rep = [{
+        "seq": 1000,
+        "ok": True,
+        "peak_gib": 2.0
+    }, {
+        "seq": 1000,
+        "ok": True,
+        "peak_gib": 4.0
+    }, {
+        "seq": 2000,
+        "ok": True,
+        "peak_gib": 5.0
+    }]
     assert sp_bench.project(rep, 6.0)["seq"] == 3000
 
 
 def test_trace_summary_reports_what_is_live_at_the_peak(sp_bench):
-    frame = lambda name: [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "f"},
-                          {"filename": f"/x/{name}.py", "line": 7, "name": name}]
+
+    def frame(name):
+        return [{
+            "filename": "/x/site-packages/torch/nn/functional.py",
+            "line": 1,
+            "name": "f"
+        }, {
+            "filename": f"/x/{name}.py",
+            "line": 7,
+            "name": name
+        }]
+
     events = [
-        {"action": "alloc", "addr": 1, "size": 2**30, "frames": frame("a")},
-        {"action": "alloc", "addr": 2, "size": 2**31, "frames": frame("b")},
-        {"action": "free_completed", "addr": 1},
-        {"action": "alloc", "addr": 3, "size": 2**31, "frames": frame("b")},  # the peak: b's 2 + 2 GiB
-        {"action": "free_completed", "addr": 2},
-        {"action": "alloc", "addr": 4, "size": 2**30, "frames": frame("a")},
+        {
+            "action": "alloc",
+            "addr": 1,
+            "size": 2**30,
+            "frames": frame("a")
+        },
+        {
+            "action": "alloc",
+            "addr": 2,
+            "size": 2**31,
+            "frames": frame("b")
+        },
+        {
+            "action": "free_completed",
+            "addr": 1
+        },
+        {
+            "action": "alloc",
+            "addr": 3,
+            "size": 2**31,
+            "frames": frame("b")
+        },  # the peak: b's 2 + 2 GiB
+        {
+            "action": "free_completed",
+            "addr": 2
+        },
+        {
+            "action": "alloc",
+            "addr": 4,
+            "size": 2**30,
+            "frames": frame("a")
+        },
     ]
     got = sp_bench._trace_summary({"device_traces": [events]})
     assert got["peak_recorded_gib"] == 4.0

@@ -16,8 +16,14 @@ pytest.importorskip("transformers")
 
 def _llama(dtype, layers=2):
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=97, hidden_size=24, intermediate_size=40, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=6, attn_implementation="sdpa")
+    config = LlamaConfig(vocab_size=97,
+                         hidden_size=24,
+                         intermediate_size=40,
+                         num_hidden_layers=layers,
+                         num_attention_heads=4,
+                         num_key_value_heads=2,
+                         head_dim=6,
+                         attn_implementation="sdpa")
     torch.manual_seed(3)
     return LlamaForCausalLM(config).to(dtype)
 

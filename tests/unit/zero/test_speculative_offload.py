@@ -18,8 +18,8 @@ import torch
 
 import deepspeed
 from deepspeed.ops.adam import host_adam
-from deepspeed.runtime.zero.step_pipeline import StepPipeline
 from tests.unit.common import run_distributed
+from tests.unit.zero.speculative_cases import assert_same, optimizer_state, pipelined, train_steps, with_precision
 
 pytestmark = pytest.mark.skipif(host_adam.host_adam_op() is None, reason="the host Adam op cannot be built here")
 
@@ -58,102 +58,57 @@ def _train(super_offload,
            inf_at=(),
            lr_change_at=(),
            twice=False):
-    """Train; ``clip_at``: steps whose clipping threshold is far below the norm, ``inf_at``: steps whose boundary
-    loss is infinite, ``lr_change_at``: steps whose LR is halved between the boundary backward and ``step()``;
-    ``twice``: the boundary micro-step runs a second forward and backward (more gradient for final buckets)."""
-    os.environ["DS_OFFLOAD_OVERLAP"] = "1"
-    if dtype == "fp32":  # an fp32 model is pipelined only on the host op
-        os.environ["DS_NATIVE_CPU_ADAM"] = "1"
-    StepPipeline.piece_delay = delay
-    try:
+    """Train (``speculative_cases.train_steps`` for the forced clips, overflows, LR changes and ``twice``)."""
+    with pipelined(dtype, delay):
         torch.manual_seed(7)
         model = _Net(width, depth, stall)
-        config = {
-            "train_micro_batch_size_per_gpu": 2,
-            "gradient_accumulation_steps": gas,
-            "gradient_clipping": clip,
-            "optimizer": {
-                "type": "AdamW",
-                "params": {
-                    "lr": 3e-2,
-                    "weight_decay": 0.1
-                }
-            },
-            "zero_optimization": {
-                "stage": stage,
-                "reduce_bucket_size": bucket,
-                "offload_optimizer": {
-                    "device": "cpu",
-                    "super_offload": super_offload
-                }
-            },
-        }
-        if dtype == "bf16":
-            config["bf16"] = {"enabled": True}
-        elif dtype == "fp16":
-            config["fp16"] = {"enabled": True, "initial_scale_power": 8}
-        model_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        config = with_precision(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": gas,
+                "gradient_clipping": clip,
+                "optimizer": {
+                    "type": "AdamW",
+                    "params": {
+                        "lr": 3e-2,
+                        "weight_decay": 0.1
+                    }
+                },
+                "zero_optimization": {
+                    "stage": stage,
+                    "reduce_bucket_size": bucket,
+                    "offload_optimizer": {
+                        "device": "cpu",
+                        "super_offload": super_offload
+                    }
+                },
+            }, dtype)
         engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
         stage_obj = engine._stage
         assert stage_obj.host_step.pipeline is not None
         assert (stage_obj.speculative is not None) == super_offload
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        gen = torch.Generator().manual_seed(100 + rank)
-        losses = []
-        for step in range(steps):
-            for micro in range(gas):
-                x = torch.randn(2, 7, generator=gen).to(model_dtype)
-                y = torch.randn(2, 3, generator=gen)
-                loss = torch.nn.functional.mse_loss(engine(x).float(), y) * 5.0
-                boundary = micro == gas - 1
-                if boundary and step in inf_at:
-                    loss = loss * float("inf")
-                engine.backward(loss)
-                if boundary and twice:
-                    x2 = torch.randn(2, 7, generator=gen).to(model_dtype)
-                    engine.backward(engine(x2).float().square().mean())
-                if boundary and step in clip_at:
-                    engine.optimizer.gradient_clipping = 1e-3
-                if boundary and step in lr_change_at:
-                    for group in engine.optimizer.param_groups:
-                        group["lr"] *= 0.5
-                engine.step()
-                engine.optimizer.gradient_clipping = clip
-                losses.append(loss.item())
-        stage_obj._masters_current()
+        losses = train_steps(engine,
+                             dtype,
+                             steps,
+                             gas,
+                             clip,
+                             clip_at=clip_at,
+                             inf_at=inf_at,
+                             lr_change_at=lr_change_at,
+                             twice=twice)
+        masters, moments = optimizer_state(stage_obj)
         params = [p.detach().clone() for p in model.parameters()]
-        masters = [m.detach().clone() for m in stage_obj.masters]
-        moments = []
-        for master in stage_obj.masters:
-            state = stage_obj.optimizer.state.get(master, {})
-            moments += [state[k].clone() for k in ("exp_avg", "exp_avg_sq") if k in state]
-            if "step" in state:
-                moments.append(torch.as_tensor(float(state["step"])))
         stats = engine.optimizer.speculative_stats
         pieces = len(stage_obj.speculative._pieces) if super_offload else 0
         engine.destroy()
         return losses, params, masters, moments, stats, pieces, engine.skipped_steps
-    finally:
-        StepPipeline.piece_delay = 0.0
-        os.environ.pop("DS_OFFLOAD_OVERLAP", None)
-        os.environ.pop("DS_NATIVE_CPU_ADAM", None)
-
-
-def _assert_same(exact, speculative):
-    assert exact[0] == speculative[0], f"losses differ: {exact[0]} vs {speculative[0]}"
-    for name, a_list, b_list in zip(("params", "masters", "moments"), exact[1:4], speculative[1:4]):
-        assert len(a_list) == len(b_list) and a_list, name
-        for a, b in zip(a_list, b_list):
-            assert torch.equal(a, b), f"{name} differ"
-    assert exact[6] == speculative[6], "skipped steps differ"
-    assert exact[4] is None
 
 
 def _nothing_rolls_back(stage, gas, dtype, clip):
     kwargs = dict(stage=stage, gas=gas, dtype=dtype, clip=clip, steps=4)
     exact = _train(False, **kwargs)
     spec = _train(True, delay=0.02, stall=0.05, **kwargs)
-    _assert_same(exact, spec)
+    assert_same(exact, spec)
     stats, pieces = spec[4], spec[5]
     assert stats["boundary_steps"] == 4 and stats["speculated"] == 4 and stats["kept"] == 4, stats
     assert stats["rolled_back"] == 0 and stats["not_speculated"] == 0, stats
@@ -178,7 +133,7 @@ def _forced_rollbacks(stage, gas, dtype, case):
     kwargs = dict(stage=stage, gas=gas, dtype=dtype, steps=5, **{case: (1, )})
     exact = _train(False, **kwargs)
     spec = _train(True, delay=0.005, **kwargs)
-    _assert_same(exact, spec)
+    assert_same(exact, spec)
     stats = spec[4]
     reason = {"clip_at": "clip", "inf_at": "overflow", "lr_change_at": "scalars"}[case]
     assert stats["rolled_back"] == 1 and stats["reasons"][reason] == 1, stats
@@ -207,7 +162,7 @@ def _second_backward():
     kwargs = dict(stage=2, gas=1, steps=3, twice=True)
     exact = _train(False, **kwargs)
     spec = _train(True, delay=0.005, **kwargs)
-    _assert_same(exact, spec)
+    assert_same(exact, spec)
     stats = spec[4]
     assert stats["rolled_back"] == 3 and stats["reasons"]["regradient"] == 3 and stats["kept"] == 0, stats
     return True
@@ -222,7 +177,7 @@ def _always_clipping():
     kwargs = dict(stage=2, gas=1, clip=1e-3, steps=4)
     exact = _train(False, **kwargs)
     spec = _train(True, **kwargs)
-    _assert_same(exact, spec)
+    assert_same(exact, spec)
     stats = spec[4]
     assert stats["speculated"] == 1 and stats["rolled_back"] == 1 and stats["not_speculated"] == 3, stats
     return True

@@ -20,8 +20,8 @@ import torch
 
 import deepspeed
 from deepspeed.ops.adam import host_adam
-from deepspeed.runtime.zero.step_pipeline import StepPipeline
 from tests.unit.common import run_distributed
+from tests.unit.zero.speculative_cases import assert_same, optimizer_state, pipelined, train_steps, with_precision
 
 pytestmark = pytest.mark.skipif(host_adam.host_adam_op() is None, reason="the host Adam op cannot be built here")
 
@@ -74,11 +74,7 @@ def _config(super_offload, gas, offload_param, dtype, clip, ratio=1.0):
         },
         "zero_optimization": zero,
     }
-    if dtype == "bf16":
-        config["bf16"] = {"enabled": True}
-    elif dtype == "fp16":
-        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    return config
+    return with_precision(config, dtype)
 
 
 def _train(super_offload,
@@ -100,11 +96,7 @@ def _train(super_offload,
     loss is infinite, ``lr_change_at``: steps whose LR is halved between the boundary backward and ``step()``;
     ``twice``: the boundary micro-step runs a second forward and backward (its gathers read every unit again);
     ``groups``: two param groups (the persistent unit, the biases, has a segment in each)."""
-    os.environ["DS_OFFLOAD_OVERLAP"] = "1"
-    if dtype == "fp32":  # an fp32 model is pipelined only on the host op
-        os.environ["DS_NATIVE_CPU_ADAM"] = "1"
-    StepPipeline.piece_delay = delay
-    try:
+    with pipelined(dtype, delay):
         torch.manual_seed(7)
         model = _Net(9, 3, stall, reuse)
         config = _config(super_offload, gas, offload_param, dtype, clip)
@@ -122,67 +114,30 @@ def _train(super_offload,
         stage = engine._stage
         assert stage.unit_step is not None
         assert (stage.speculative is not None) == super_offload
-        model_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        gen = torch.Generator().manual_seed(100 + rank)
-        losses = []
-        for step in range(steps):
-            for micro in range(gas):
-                x = torch.randn(2, 7, generator=gen).to(model_dtype)
-                y = torch.randn(2, 3, generator=gen)
-                loss = torch.nn.functional.mse_loss(engine(x).float(), y) * 5.0
-                boundary = micro == gas - 1
-                if boundary and step in inf_at:
-                    loss = loss * float("inf")
-                engine.backward(loss)
-                if boundary and twice:
-                    x2 = torch.randn(2, 7, generator=gen).to(model_dtype)
-                    second = engine(x2).float().square().mean()
-                    engine.backward(second)
-                    losses.append(second.item())
-                if boundary and step in clip_at:
-                    engine.optimizer.gradient_clipping = 1e-3
-                if boundary and step in lr_change_at:
-                    for group in engine.optimizer.param_groups:
-                        group["lr"] *= 0.5
-                engine.step()
-                engine.optimizer.gradient_clipping = clip
-                losses.append(loss.item())
+        losses = train_steps(engine,
+                             dtype,
+                             steps,
+                             gas,
+                             clip,
+                             clip_at=clip_at,
+                             inf_at=inf_at,
+                             lr_change_at=lr_change_at,
+                             twice=twice,
+                             record_second=True)
         with deepspeed.zero.GatheredParameters(list(model.parameters())):  # completes a step still running
             params = [p.detach().clone() for p in model.parameters()]
-        stage._masters_current()
-        masters = [m.detach().clone() for m in stage.masters]
-        moments = []
-        for master in stage.masters:
-            state = stage.optimizer.state.get(master, {})
-            moments += [state[k].clone() for k in ("exp_avg", "exp_avg_sq") if k in state]
-            if "step" in state:
-                moments.append(torch.as_tensor(float(state["step"])))
+        masters, moments = optimizer_state(stage)
         stats = engine.optimizer.speculative_stats
         pieces = len(stage.speculative._pieces) if super_offload else 0
         engine.destroy()
         return losses, params, masters, moments, stats, pieces, engine.skipped_steps
-    finally:
-        StepPipeline.piece_delay = 0.0
-        os.environ.pop("DS_OFFLOAD_OVERLAP", None)
-        os.environ.pop("DS_NATIVE_CPU_ADAM", None)
-
-
-def _assert_same(exact, speculative):
-    assert exact[0] == speculative[0], f"losses differ: {exact[0]} vs {speculative[0]}"
-    for name, a_list, b_list in zip(("params", "masters", "moments"), exact[1:4], speculative[1:4]):
-        assert len(a_list) == len(b_list) and a_list, name
-        for a, b in zip(a_list, b_list):
-            assert torch.equal(a, b), f"{name} differ"
-    assert exact[6] == speculative[6], "skipped steps differ"
-    assert exact[4] is None
 
 
 def _nothing_rolls_back(gas, offload_param, dtype, groups=False):
     kwargs = dict(gas=gas, offload_param=offload_param, dtype=dtype, steps=4, groups=groups)
     exact = _train(False, **kwargs)
     spec = _train(True, delay=0.02, stall=0.05, **kwargs)
-    _assert_same(exact, spec)
+    assert_same(exact, spec)
     stats, pieces = spec[4], spec[5]
     assert stats["boundary_steps"] == 4 and stats["speculated"] == 4 and stats["kept"] == 4, stats
     assert stats["rolled_back"] == 0 and stats["not_speculated"] == 0, stats
@@ -214,7 +169,7 @@ def _forced_rollbacks(gas, offload_param, dtype, case):
     kwargs = dict(gas=gas, offload_param=offload_param, dtype=dtype, steps=5, **{case: (1, )})
     exact = _train(False, **kwargs)
     spec = _train(True, delay=0.005, stall=0.02, **kwargs)
-    _assert_same(exact, spec)
+    assert_same(exact, spec)
     stats = spec[4]
     reason = {"clip_at": "clip", "inf_at": "overflow", "lr_change_at": "scalars"}[case]
     assert stats["rolled_back"] == 1 and stats["reasons"][reason] == 1, stats
@@ -246,7 +201,7 @@ def _second_backward(offload_param):
     kwargs = dict(gas=1, offload_param=offload_param, steps=3, twice=True)
     exact = _train(False, **kwargs)
     spec = _train(True, delay=0.005, stall=0.02, **kwargs)
-    _assert_same(exact, spec)
+    assert_same(exact, spec)
     stats = spec[4]
     assert stats["rolled_back"] == 3 and stats["reasons"]["regradient"] == 3 and stats["kept"] == 0, stats
     assert stats["pieces_rolled_back"] > 0, stats
