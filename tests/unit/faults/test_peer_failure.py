@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A rank that leaves a step through an exception, on 2 gloo ranks (``deepspeed/comm/peer_failure.py``).
 
-* the case of issue #17: rank 1 raises inside forward at step 3, catches it, calls ``destroy()`` and starts a new
+* the retry case: rank 1 raises inside forward at step 3, catches it, calls ``destroy()`` and starts a new
   ``initialize``; rank 0 is in the step's gradient all-reduce. Rank 0 gets :class:`PeerFailureError` naming
   rank 1 and its exception within the configured wait (plus slack), not the group's 30 minutes; rank 1's retry
   and rank 0's get a clear error at once, no rendezvous wait;

@@ -7,7 +7,7 @@ drawing code becomes; its comment says what was wrong and where it was found.
 
 REGRESSIONS = {
     # ZenFlow at world 2 with the default bucket size: the ranks all-reduced row-norm vectors of different
-    # lengths (gloo aborts) because each laid out only the weights it held a piece of (issue #17)
+    # lengths (gloo aborts) because each laid out only the weights it held a piece of
     "zenflow-default-bucket-w2":
     dict(widths=[32, 64, 8],
          world=2,
