@@ -9,6 +9,7 @@ the host steps the last buckets. Every piece is slowed on purpose (``StepPipelin
 forward that did not wait for its own piece would read stale weights and the losses would differ.
 """
 
+import copy
 import os
 
 import pytest
@@ -187,6 +188,73 @@ def _state_dict_waits():
     finally:
         StepPipeline.piece_delay = 0.0
         os.environ.pop("DS_OFFLOAD_OVERLAP", None)
+
+
+READERS = {
+    # how user code reads parameters between engine.step() and the next forward (an EMA, a log of norms)
+    "parameters": lambda model: [p.detach().clone() for p in model.parameters()],
+    "named_parameters": lambda model: [p.detach().clone() for _, p in model.named_parameters()],
+    "attribute": lambda model: [model.head.weight.detach().clone(), model.head.bias.detach().clone()],
+    "a sibling's weight": lambda model: [torch.nn.functional.linear(torch.ones(1, 1, dtype=torch.bfloat16),
+                                                                     model.head.weight)],
+    "deepcopy": lambda model: [p.detach().clone() for p in copy.deepcopy(model).parameters()],
+}
+
+
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_reads_through_the_module_wait_for_the_step(reader):
+    assert run_distributed(_reads_wait, 1, args=(reader, ), timeout=120) == [True]
+
+
+def _reads_wait(reader):
+    """A parameter read through its module while the step still runs sees the stepped value: the same as the
+    whole-partition step's (DS_OFFLOAD_OVERLAP=0) read at the same point."""
+    seen = {}
+    for overlap in ("0", "1"):
+        os.environ["DS_OFFLOAD_OVERLAP"] = overlap
+        StepPipeline.piece_delay = 0.02 if overlap == "1" else 0.0
+        try:
+            torch.manual_seed(3)
+            model = _Net(6, 3)
+            config = {
+                "train_micro_batch_size_per_gpu": 2,
+                "bf16": {
+                    "enabled": True
+                },
+                "optimizer": {
+                    "type": "AdamW",
+                    "params": {
+                        "lr": 1e-1
+                    }
+                },
+                "zero_optimization": {
+                    "stage": 2,
+                    "reduce_bucket_size": 20,
+                    "offload_optimizer": {
+                        "device": "cpu"
+                    }
+                },
+            }
+            engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+            gen = torch.Generator().manual_seed(5)
+            reads = []
+            for _ in range(2):
+                loss = engine(torch.randn(2, 7, generator=gen, dtype=torch.bfloat16)).float().square().mean()
+                engine.backward(loss)
+                engine.step()
+                if overlap == "1":
+                    assert engine._stage.host_step.pipeline.pending  # the step still runs in the background
+                reads.append(READERS[reader](model))
+            seen[overlap] = reads
+            engine.destroy()
+        finally:
+            StepPipeline.piece_delay = 0.0
+            os.environ.pop("DS_OFFLOAD_OVERLAP", None)
+    for step, (got, want) in enumerate(zip(seen["1"], seen["0"])):
+        assert len(got) == len(want) and got
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), f"step {step}: a read while the step runs differs from the stepped value"
+    return True
 
 
 def test_host_adam_pieces_match_one_call():
