@@ -150,8 +150,11 @@ def _train(case, model, overlap, **config):
                 state = engine.module.state_dict()
                 values = {n: state[n].detach().clone() for n in names}
             masters = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
-            moments = {(n, k): safe_get_full_optimizer_state(params[n], k).clone()
-                       for n in names for k in ("exp_avg", "exp_avg_sq")}
+            moments = {
+                (n, k): safe_get_full_optimizer_state(params[n], k).clone()
+                for n in names
+                for k in ("exp_avg", "exp_avg_sq")
+            }
             trace.append(dict(losses=losses, values=values, masters=masters, moments=moments))
         stats = engine.optimizer.speculative_stats
         return trace, stats

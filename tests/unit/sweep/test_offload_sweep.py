@@ -20,6 +20,7 @@ SEED = int(os.environ.get("DS_SWEEP_SEED", 0))
 COUNT = int(os.environ.get("DS_OFFLOAD_SWEEP_CASES", DEFAULT_CASES))
 DRAWN = sorted(enumerate(offload_cases(SEED, COUNT)), key=lambda ic: (ic[1]["world"], ic[0]))
 
+
 def _run(case):
     stats = run_distributed(run_offload_paths, case["world"], args=(case, ), timeout=300)
     if case["ratio"] == 1.0:

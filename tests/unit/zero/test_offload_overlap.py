@@ -192,12 +192,17 @@ def _state_dict_waits():
 
 READERS = {
     # how user code reads parameters between engine.step() and the next forward (an EMA, a log of norms)
-    "parameters": lambda model: [p.detach().clone() for p in model.parameters()],
-    "named_parameters": lambda model: [p.detach().clone() for _, p in model.named_parameters()],
-    "attribute": lambda model: [model.head.weight.detach().clone(), model.head.bias.detach().clone()],
-    "a sibling's weight": lambda model: [torch.nn.functional.linear(torch.ones(1, 1, dtype=torch.bfloat16),
-                                                                     model.head.weight)],
-    "deepcopy": lambda model: [p.detach().clone() for p in copy.deepcopy(model).parameters()],
+    "parameters":
+    lambda model: [p.detach().clone() for p in model.parameters()],
+    "named_parameters":
+    lambda model: [p.detach().clone() for _, p in model.named_parameters()],
+    "attribute":
+    lambda model: [model.head.weight.detach().clone(),
+                   model.head.bias.detach().clone()],
+    "a sibling's weight":
+    lambda model: [torch.nn.functional.linear(torch.ones(1, 1, dtype=torch.bfloat16), model.head.weight)],
+    "deepcopy":
+    lambda model: [p.detach().clone() for p in copy.deepcopy(model).parameters()],
 }
 
 
