@@ -24,6 +24,10 @@ key                meaning
 ``units``          stage 3: (``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``)
 ``ratio``          stage 3: ``offload_optimizer.ratio`` of the pipelined run (1.0: full offload)
 ``delay``          seconds each host piece is slowed by (the ordering exercised)
+``call``           how each micro-step calls backward: "engine", "direct" (``loss.backward()``;
+                   ``engine.scale(loss).backward()`` under fp16) or "two_losses" (two ``engine.backward``
+                   calls over one retained graph: on the boundary micro-step a speculative step sees a second
+                   gradient for pieces it may have stepped, and rolls back)
 ``steps``          optimizer steps
 =================  ===========================================================================================
 """
@@ -56,6 +60,7 @@ def draw_offload(rng):
                 units=(rng.choice([1, 20, int(5e7)]), rng.choice([0, 10, int(1e5)])) if stage == 3 else None,
                 ratio=rng.choice([1.0, 1.0, 0.5]) if stage == 3 else 1.0,
                 delay=rng.choice([0.0, 0.002]),
+                call=rng.choices(["engine", "direct", "two_losses"], weights=[3, 2, 2])[0],
                 steps=rng.randint(2, 4))
     return case
 
@@ -79,6 +84,8 @@ def offload_case_id(case):
         parts.append(f"r{case['ratio']:g}")
     if case["delay"]:
         parts.append("d")
+    if case.get("call", "engine") != "engine":
+        parts.append(case["call"])
     parts.append(f"s{case['steps']}")
     return "-".join(parts)
 
@@ -138,8 +145,16 @@ def _train(case, model, overlap, **config):
             losses = []
             for micro in range(gas):
                 x, y = make_batch(widths, rank, step * gas + micro, dtype=dtype)
-                loss = mse(engine(x), y)
-                engine.backward(loss)
+                out = engine(x)
+                loss = mse(out, y)
+                call = case.get("call", "engine")
+                if call == "engine":
+                    engine.backward(loss)
+                elif call == "direct":
+                    (engine.scale(loss) if case["dtype"] == "fp16" else loss).backward()
+                else:
+                    engine.backward(loss, retain_graph=True)
+                    engine.backward(_second_loss(out))
                 engine.step()
                 losses.append(loss.item())
             names = [n for n, _ in engine.module.named_parameters()]
@@ -166,6 +181,11 @@ def _train(case, model, overlap, **config):
             engine.destroy()
 
 
+def _second_loss(out):
+    """The second loss of the "two_losses" call, over the first one's retained graph."""
+    return out.float().pow(2).mean() * 0.5
+
+
 def _torch_reference(case, model, world):
     """Plain torch: AdamW on the mean gradient of every rank's micro-batches (the sum over the window of the
     micro-batch means, divided by ``gas * world``), clipped by the global norm; the parameters after each step."""
@@ -177,7 +197,11 @@ def _torch_reference(case, model, world):
         for micro in range(gas):
             for r in range(world):
                 x, y = make_batch(widths, r, step * gas + micro)
-                (mse(model(x), y) / (gas * world)).backward()
+                pred = model(x)
+                loss = mse(pred, y)
+                if case.get("call", "engine") == "two_losses":
+                    loss = loss + _second_loss(pred)
+                (loss / (gas * world)).backward()
         if case["clip"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
         opt.step()
