@@ -523,5 +523,65 @@ def test_z3_overlap_step(case_id):
 
 ALL += Z3_OVERLAP_ENTRIES
 
+
+# ------------------------------------------ reads of parameters between engine.step() and the next forward
+def _reads_after_step(overlap, device, steps=4):
+    """ZeRO-2 offload on one GPU; after each step the parameters read through the module (as an EMA does)."""
+    import deepspeed
+    from deepspeed.runtime.zero.step_pipeline import StepPipeline
+    cfg = _config(dict(stage=2, gas=1, zero={"offload_optimizer": PIN}))
+    torch.manual_seed(0)
+    model = _Model()
+    reads = []
+    StepPipeline.piece_delay = 0.002 if overlap else 0.0
+    try:
+        with _environment({"DS_OFFLOAD_OVERLAP": "1" if overlap else "0", "DS_OFFLOAD_SYNC": "0"}):
+            engine = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)[0]
+            try:
+                for step in range(steps):
+                    gen = torch.Generator().manual_seed(100 * step)
+                    tokens = torch.randint(0, 64, (4, 16), generator=gen).to(device)
+                    loss = F.cross_entropy(engine(tokens).float().reshape(-1, 64), tokens.roll(1, 1).reshape(-1))
+                    engine.backward(loss)
+                    engine.step()
+                    pending = engine._stage.host_step.pipeline.pending if overlap else False
+                    # on the compute stream, right after step(): the reads must see the stepped values
+                    reads.append(([p.detach().float().cpu() for p in engine.module.parameters()], pending))
+            finally:
+                engine.destroy()
+    finally:
+        StepPipeline.piece_delay = 0.0
+    return reads
+
+
+def check_reads(_name):
+    """Parameters read through the module while the pipelined step still runs equal the whole-partition step's."""
+    device = _device()
+    want = _reads_after_step(False, device)
+    got = _reads_after_step(True, device)
+    pending = 0
+    for step, ((a, was_pending), (b, _)) in enumerate(zip(got, want)):
+        pending += was_pending
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), f"step {step}: a read after step() differs from the whole-partition step"
+    assert pending > 0, "no step was still running when the parameters were read"
+    return f"{len(got)} steps identical, {pending} read while the step ran"
+
+
+READS_ENTRIES = [("reads-z2-after-step", check_reads, "reads")]
+
+
+@pytest.mark.parametrize("case_id", [c[0] for c in READS_ENTRIES])
+def test_reads_after_step(case_id):
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    _init()
+    _, fn, arg = next(c for c in ALL if c[0] == case_id)
+    fn(arg)
+
+
+ALL += READS_ENTRIES
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
