@@ -59,7 +59,7 @@ class EngineOptimizer(ZeROOptimizer):
     @property
     def speculative_stats(self):
         """Counters of speculative offloaded steps (``offload_optimizer.super_offload``), or None without them."""
-        return getattr(self.stage, "speculative_stats", None)
+        return self.stage.speculative_stats
 
     @property
     def defaults(self):
@@ -94,18 +94,8 @@ class EngineOptimizer(ZeROOptimizer):
         self.stage.zero_window()
         return applied
 
-    def _settle_step(self):
-        """Before the inner optimizer's state is read or replaced: an offloaded step still running completes, and a
-        speculative one (``super_offload``) not yet decided is undone."""
-        speculative = getattr(self.stage, "speculative", None)
-        if speculative is not None:
-            speculative.before_read()
-        host_step = getattr(self.stage, "host_step", None)
-        if host_step is not None:
-            host_step.finish()
-
     def state_dict(self):
-        self._settle_step()
+        self.stage._masters_current()  # a step still running completes; an undecided speculative one is undone
         return {
             "optimizer": self.optimizer.state_dict(),
             "loss_scaler": self.loss_scaler.state_dict(),
@@ -113,7 +103,7 @@ class EngineOptimizer(ZeROOptimizer):
         }
 
     def load_state_dict(self, state_dict, load_optimizer_states=True):
-        self._settle_step()
+        self.stage._masters_current()
         if "optimizer" not in state_dict:  # a plain torch optimizer state dict
             self.optimizer.load_state_dict(state_dict)
             return

@@ -229,11 +229,15 @@ class HostStep:
                 if (lo, hi) != (bucket.part_offset, bucket.part_offset + bucket.chunk):
                     raise ValueError("HostStep.step_and_gather: a device range must hold whole buckets")
                 pieces.append(StepPiece(bucket.group, lo, hi - lo, send, on_device=dev))
+        self._launch(pieces, grad_scale, background, begun)
+
+    def _launch(self, pieces, grad_scale, background, begun):
+        """Launch ``pieces`` on the pipeline; ``begun`` as :meth:`step_and_gather` takes it."""
         prepared, stepped = begun if begun is not None else (None, ())
         stepped = [i for i, piece in enumerate(pieces) if (piece.group, piece.start) in stepped]
         with ds_range("DS::host_step"):
             self.pipeline.launch(pieces, grad_scale, background=background, prepared=prepared, stepped=stepped)
-        self._reading = _StreamDone(transfers)
+        self._reading = _StreamDone(self.transfers)
         self.fresh = False
 
     @torch.no_grad()
@@ -257,12 +261,7 @@ class HostStep:
                 send = send_for(g, lo, hi - lo, dev) if send_for is not None else None
                 pieces.append(StepPiece(g, lo, hi - lo, send, on_device=dev))
             last.append(len(pieces) - 1)
-        prepared, stepped = begun if begun is not None else (None, ())
-        stepped = [i for i, piece in enumerate(pieces) if (piece.group, piece.start) in stepped]
-        with ds_range("DS::host_step"):
-            self.pipeline.launch(pieces, grad_scale, background=background, prepared=prepared, stepped=stepped)
-        self._reading = _StreamDone(self.transfers)
-        self.fresh = False
+        self._launch(pieces, grad_scale, background, begun)
         return last
 
     @torch.no_grad()

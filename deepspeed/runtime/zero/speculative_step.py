@@ -62,6 +62,10 @@ from deepspeed.utils.logging import logger
 
 REASONS = ("clip", "overflow", "scalars", "regradient", "read", "discarded", "error")
 
+NEEDS_PIPELINED_STEP = ("offload_optimizer.super_offload needs the pipelined offloaded step: DeepSpeedCPUAdam on the "
+                        "host Adam op (a C++ compiler), a bf16/fp16 model (fp32 only with DS_NATIVE_CPU_ADAM=1), "
+                        "float32 gradient accumulation and DS_OFFLOAD_OVERLAP not 0; see docs/offload.md")
+
 
 def new_stats():
     """The counters of :class:`SpeculativeStep` (what ``speculative_stats`` shows)."""
@@ -296,8 +300,7 @@ class SpeculativeStep:
             for g in prepared:
                 if g not in self._staged:
                     self._staged[g] = torch.empty_like(host_step.targets[g])
-        if self._backups is None:
-            self._backups = {g: host_adam.StepBackup(masters[g], host_step.targets[g].dtype) for g in prepared}
+        self._backups = self._backups or {}
         for g in prepared:
             if g not in self._backups:
                 self._backups[g] = host_adam.StepBackup(masters[g], host_step.targets[g].dtype)

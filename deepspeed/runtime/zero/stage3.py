@@ -43,7 +43,7 @@ from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zer
 from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import UnitGeometry
-from deepspeed.runtime.zero.speculative_step import SpeculativeStep
+from deepspeed.runtime.zero.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
 from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
 from deepspeed.runtime.zero.transfers import DONE, pinned
 from deepspeed.runtime.zero.unit_step import UnitStep
@@ -156,15 +156,10 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         # Speculative steps (``super_offload``, ``speculative_step.py``): a unit's pieces start in the boundary
         # backward once its fold completes; under parameter offload their 16-bit values wait for the verdict
         # (staged), since the backward's re-gathers read the host shards.
-        self.speculative = None
-        if config.super_offload:
-            if self.unit_step is None or self.host_step.share is not None:
+        if config.super_offload:  # (with ``offload_optimizer.ratio`` < 1 StageConfig has raised already)
+            if self.unit_step is None:
                 self.release()
-                raise NotImplementedError(
-                    "offload_optimizer.super_offload on ZeRO stage 3 needs the overlapped offloaded step: "
-                    "DeepSpeedCPUAdam on the host Adam op (a C++ compiler), a bf16/fp16 model (fp32 only with "
-                    "DS_NATIVE_CPU_ADAM=1), float32 gradient accumulation, DS_OFFLOAD_OVERLAP not 0, and the whole "
-                    "optimizer state on the host (offload_optimizer.ratio 1); see docs/offload.md")
+                raise NotImplementedError(NEEDS_PIPELINED_STEP)
             self.speculative = SpeculativeStep(self,
                                                pieces=lambda stage: stage.unit_step.speculative_pieces(),
                                                staged_targets=self._host_shards)
@@ -270,7 +265,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         self._step_done()
 
     def release(self):
-        if getattr(self, "speculative", None) is not None:
+        if self.speculative is not None:
             self.speculative.close()
         for handle in self._state_dict_hooks:
             handle.remove()
@@ -285,8 +280,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         return Stage3Checkpoint(self)
 
     def _masters_current(self):
-        if getattr(self, "speculative", None) is not None:
-            self.speculative.before_read()
+        super()._masters_current()
         if self.host_step is not None:
             self.host_step.sync_host()
 

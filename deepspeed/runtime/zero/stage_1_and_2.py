@@ -33,7 +33,7 @@ from deepspeed.runtime.zero.partition_layout import PartitionedLayout
 from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import PartitionGeometry
-from deepspeed.runtime.zero.speculative_step import SpeculativeStep
+from deepspeed.runtime.zero.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
 from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
 from deepspeed.utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER
 
@@ -93,13 +93,9 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         if config.super_offload and not (self.host_step is not None and self.host_step.pipeline is not None
                                          and config.accum_dtype == torch.float32):
             self.release()
-            raise NotImplementedError(
-                "offload_optimizer.super_offload needs the pipelined offloaded step: DeepSpeedCPUAdam on the host "
-                "Adam op (a C++ compiler), a bf16/fp16 model (fp32 only with DS_NATIVE_CPU_ADAM=1), float32 "
-                "gradient accumulation and DS_OFFLOAD_OVERLAP not 0; see docs/offload.md")
+            raise NotImplementedError(NEEDS_PIPELINED_STEP)
         self.zenflow = ZenFlowStep(self, config.zenflow) if config.zenflow is not None else None
         self._forward_waits = PieceWaits(self, module) if self._pipelined() and self.world_size == 1 else None
-        self.speculative = None
         if self._pipelined():
             geometry.folder.barrier = self.host_step.finish  # the next backward writes what the step reads
             if config.super_offload:  # the step starts in the boundary backward (its own folder hooks)
@@ -179,15 +175,14 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                 self.zenflow.import_state(state)
 
     def _masters_current(self):
-        if self.speculative is not None:
-            self.speculative.before_read()
+        super()._masters_current()
         if self.host_step is not None:
             self.host_step.finish()
         if self.zenflow is not None:
             self.zenflow.sync_masters()
 
     def release(self):
-        if getattr(self, "speculative", None) is not None:
+        if self.speculative is not None:
             self.speculative.close()
         if getattr(self, "zenflow", None) is not None:
             self.zenflow.close()

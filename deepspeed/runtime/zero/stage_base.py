@@ -237,7 +237,10 @@ class ZeroStage:
         """Restore :meth:`extra_state` after the masters and optimizer were loaded (None: the checkpoint has none)."""
 
     def _masters_current(self):
-        """Before the fp32 masters or the optimizer state are read: wait for anything still updating them."""
+        """Before the fp32 masters or the optimizer state are read: wait for anything still updating them (the
+        stages add their own; here a speculative step not yet decided is undone)."""
+        if self.speculative is not None:
+            self.speculative.before_read()
 
     # ------------------------------------------------------------- accessors
     def params_modified(self, param):
