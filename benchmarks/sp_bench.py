@@ -94,7 +94,9 @@ def _build(args, impl):
         params = [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
         return ulysses.TiledMLP.apply(mlp, self, x, shards, params)
 
-    modeling_llama.LlamaMLP.forward = tiled_mlp_forward
+    tiled_layers = impl == "ours" and not args.no_tiled_layers
+    if not tiled_layers:  # (a tiled layer runs its MLP in tiles already)
+        modeling_llama.LlamaMLP.forward = tiled_mlp_forward
     config = LlamaConfig(**_shape(args),
                          max_position_embeddings=max(args.start * 256, 1 << 22),
                          attn_implementation="sdpa")
@@ -104,7 +106,10 @@ def _build(args, impl):
     if impl == "ours":
         from deepspeed.runtime.sequence_parallel.activation_offload import enable_checkpoint_offload
         enable_checkpoint_offload(model)
-        if not args.no_recompute_norms:  # the norms keep only their inputs (runtime/sequence_parallel/recompute.py)
+        if tiled_layers:  # token-wise parts in tiles around the attention (runtime/sequence_parallel/tiled_layer.py)
+            from deepspeed.runtime.sequence_parallel.tiled_layer import enable_tiled_decoder_layers
+            enable_tiled_decoder_layers(model, tile_tokens=args.layer_tile)
+        elif not args.no_recompute_norms:  # the norms keep only their inputs (runtime/sequence_parallel/recompute.py)
             from deepspeed.runtime.sequence_parallel.recompute import enable_recompute_in_backward
             enable_recompute_in_backward(model)
     else:
@@ -167,9 +172,17 @@ def _trial(state, args, impl, seq):
     device = _device(args)
     if state.get("engine") is None:
         state["engine"], state["model"], state["ulysses"] = _build(args, impl)
+        state["held_gib"] = _hold_missing_layers(state, args)
     _sync(device)
     if device.type == "cuda":
+        gc.collect()
+        empty_host = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:  # pinned blocks cached from shorter steps (same for both implementations)
+            empty_host()
         torch.cuda.reset_peak_memory_stats()
+        reset_host = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+        if reset_host is not None:
+            reset_host()
     start = time.perf_counter()
     record = {"seq": seq}
     tracing = bool(getattr(args, "trace_peak", None)) and device.type == "cuda" and seq == args.compare_at
@@ -180,11 +193,18 @@ def _trial(state, args, impl, seq):
                                _shape(args)["vocab_size"])
         _sync(device)
         record.update(ok=True, seconds=time.perf_counter() - start)
-    except torch.OutOfMemoryError as exc:
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in str(exc).lower():
+            raise  # (a pinned host allocation that fails says "out of memory" too)
         record.update(ok=False, seconds=time.perf_counter() - start, error=str(exc).split("\n")[0][:200])
         _drop(state)
     record["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     record["host_peak_gib"] = _host_peak_gib()
+    pinned = _pinned_gib()
+    if pinned is not None:
+        record["pinned_peak_gib"] = pinned[1]
+    if state.get("held_gib"):
+        record["held_gib"] = state["held_gib"]
     if tracing:
         summary = _trace_summary(torch.cuda.memory._snapshot())
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -192,6 +212,47 @@ def _trial(state, args, impl, seq):
             json.dump(summary, f, indent=1)
     print(json.dumps({"impl": impl, **record}), flush=True)
     return record
+
+
+def _hold_missing_layers(state, args):
+    """With ``--layers N`` below the model's 16 on a GPU: after a short step (so that the optimizer state exists),
+    hold the device memory the other layers' parameters, gradients and optimizer state would take, at the bytes
+    per parameter this engine holds between steps (the embeddings' rate: ZeRO-3 keeps every parameter alike).
+    Returns the GiB held (0 when nothing is held)."""
+    import torch
+    full = LLAMA_3_2_1B["num_hidden_layers"]
+    if args.tiny or not args.layers or args.layers >= full or _device(args).type != "cuda" or args.no_hold:
+        return 0.0
+    _step(state["engine"], state["model"], state["ulysses"], 4096, args.logits_tile, _shape(args)["vocab_size"])
+    torch.cuda.synchronize()
+    gc.collect()
+    persistent = torch.cuda.memory_allocated()
+
+    def numel(p):
+        return getattr(p, "ds_numel", p.numel())
+
+    model = state["model"]
+    total = sum(numel(p) for p in model.parameters())
+    per_layer = sum(numel(p) for p in model.model.layers[0].parameters())
+    held = int(persistent / total * per_layer * (full - args.layers))
+    state["hold"] = torch.empty(held, dtype=torch.uint8, device="cuda")
+    state["persistent_gib"] = persistent / 2**30
+    return held / 2**30
+
+
+def _pinned_gib():
+    """``(current, peak)`` GiB of pinned host memory in use (torch's caching host allocator), or None."""
+    import torch
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    try:
+        s = stats()
+    except Exception:  # an older torch without the counters
+        return None
+    current = s.get("allocated_bytes.current", s.get("active_bytes.all.current"))
+    peak = s.get("allocated_bytes.peak", s.get("active_bytes.all.peak"))
+    return None if current is None else (current / 2**30, (peak or 0) / 2**30)
 
 
 def _host_peak_gib():
@@ -257,6 +318,7 @@ def _drop(state):
     import torch
     engine = state.pop("engine", None)
     state.pop("model", None)
+    state.pop("hold", None)
     if engine is not None and hasattr(engine, "destroy"):
         try:
             engine.destroy()
@@ -415,11 +477,13 @@ def _child(args, impl, compare_at, out):
     else:
         env["PYTHONPATH"] = os.pathsep.join([args.upstream_path, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--out", out]
-    for name in ("start", "cap", "resolution", "time_budget", "logits_tile", "trace_peak", "layers"):
+    for name in ("start", "cap", "resolution", "time_budget", "logits_tile", "trace_peak", "layers", "layer_tile"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--no-throughput"] if args.no_throughput else []
     cmd += ["--no-recompute-norms"] if args.no_recompute_norms else []
+    cmd += ["--no-tiled-layers"] if args.no_tiled_layers else []
+    cmd += ["--no-hold"] if args.no_hold else []
     cmd += ["--tied"] if args.tied else []
     cmd += ["--cpu"] if args.cpu else []
     if compare_at:
@@ -466,6 +530,13 @@ def main():
                         "recomputation is live at a time, so a model of fewer layers finds the device-memory limit "
                         "of a length at a fraction of its step time; add the other layers' parameters and "
                         "optimizer state to its peak")
+    parser.add_argument("--no-hold",
+                        action="store_true",
+                        help="with --layers: do not hold device memory for the other layers' state")
+    parser.add_argument("--no-tiled-layers",
+                        action="store_true",
+                        help="this package without enable_tiled_decoder_layers (TiledMLP on the MLPs instead)")
+    parser.add_argument("--layer-tile", type=int, default=8192, help="tokens per tile of a tiled decoder layer")
     parser.add_argument("--no-recompute-norms",
                         action="store_true",
                         help="this package without enable_recompute_in_backward on the norms")

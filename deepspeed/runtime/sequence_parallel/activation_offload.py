@@ -23,12 +23,54 @@ import torch.utils.checkpoint as torch_checkpoint
 __all__ = ["checkpoint_offloaded", "enable_checkpoint_offload"]
 
 
-def _to_host(t: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+# Pinned host blocks come from torch's caching host allocator, which rounds every request up to a power of two:
+# a layer input of 4,097 MiB would take 8 GiB. A pinned copy is therefore made of power-of-two pieces (whole pieces
+# of _PIECE bytes, then the binary digits of the rest down to _FLOOR), so it takes its own size within _FLOOR.
+_PIECE = 1 << 28
+_FLOOR = 1 << 20
+
+
+def _piece_sizes(nbytes: int) -> List[int]:
+    sizes = [_PIECE] * (nbytes // _PIECE)
+    rest = nbytes % _PIECE
+    while rest >= _FLOOR:
+        size = 1 << (rest.bit_length() - 1)
+        sizes.append(size)
+        rest -= size
+    if rest:
+        sizes.append(rest)
+    return sizes
+
+
+class _HostCopy:
+    """A device tensor's value in pinned host memory, as power-of-two pieces of its bytes (copied asynchronously
+    on the current stream, which every later use of the device tensor's memory follows)."""
+
+    def __init__(self, t: torch.Tensor, pin_memory: bool = True):
+        self.shape, self.dtype = t.shape, t.dtype
+        flat = t.detach().contiguous().view(-1).view(torch.uint8)
+        self.pieces, offset = [], 0
+        for size in _piece_sizes(flat.numel()):
+            piece = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+            piece.copy_(flat[offset:offset + size], non_blocking=True)
+            self.pieces.append(piece)
+            offset += size
+
+    def to(self, device, non_blocking=True) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype, device=device)
+        flat, offset = out.view(-1).view(torch.uint8), 0
+        for piece in self.pieces:
+            flat[offset:offset + piece.numel()].copy_(piece, non_blocking=non_blocking)
+            offset += piece.numel()
+        return out
+
+
+def _to_host(t: torch.Tensor, pin_memory: bool):
     if t.device.type == "cpu":
         return t.detach()  # already on the host: nothing to move
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin_memory)
-    host.copy_(t.detach(), non_blocking=pin_memory)
-    return host
+    if pin_memory and t.layout == torch.strided and t.numel() > 0:
+        return _HostCopy(t, pin_memory=True)
+    return t.detach().to("cpu")
 
 
 def _recording(saved):
@@ -101,7 +143,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         # saved them, their values are not read again, so their device memory (a hidden state each, for a decoder
         # layer) is released before the backward instead of after it.
         kept = set(saved)  # and the host copies: on the CPU a "restored" input is the host tensor itself
-        kept.update(h.untyped_storage().data_ptr() for h in host_inputs if h.layout == torch.strided)
+        kept.update(h.untyped_storage().data_ptr() for h in host_inputs
+                    if torch.is_tensor(h) and h.layout == torch.strided)
         for t in inputs:
             _release_unsaved(t, kept)
         for t in roots:  # a fresh result of the recomputation only (not a leaf, a view or an in-place result)

@@ -135,7 +135,8 @@ def run_case(stage,
              gas=1,
              checkpoint_offload=False,
              variable=False,
-             recompute_norms=False):
+             recompute_norms=False,
+             tiled_layers=False):
     """One optimizer step of ``gas`` micro-batches (``gas <= sp``: the adapter's micro-batches in turn)."""
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
@@ -155,6 +156,9 @@ def run_case(stage,
         from deepspeed.runtime.sequence_parallel.activation_offload import enable_checkpoint_offload
         enable_checkpoint_offload(model)
         model.train()
+    if tiled_layers:  # after the reference as well: token-wise parts in tiles of 3 tokens of the local shard
+        from deepspeed.runtime.sequence_parallel.tiled_layer import enable_tiled_decoder_layers
+        assert enable_tiled_decoder_layers(model, tile_tokens=3) == LAYERS
     if recompute_norms:  # after the reference as well
         from deepspeed.runtime.sequence_parallel.recompute import enable_recompute_in_backward
         assert enable_recompute_in_backward(model) > 0

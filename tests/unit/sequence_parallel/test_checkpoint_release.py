@@ -98,3 +98,18 @@ def test_unsaved_ends_are_released_and_saved_ones_kept():
         assert (recomputed.untyped_storage().nbytes() == 0) == released
         # the forward's own output is untouched
         assert seen[0][1].untyped_storage().nbytes() > 0
+
+
+def test_host_copies_take_their_own_size_in_power_of_two_pieces():
+    from deepspeed.runtime.sequence_parallel import activation_offload as ao
+    for nbytes in (1, ao._FLOOR - 1, ao._FLOOR, 3 * ao._PIECE + ao._FLOOR + 5, 4097 << 20, (1 << 33) + 7):
+        sizes = ao._piece_sizes(nbytes)
+        assert sum(sizes) == nbytes
+        # every piece but a last one below the floor is a power of two (the pinned allocator's own sizes)
+        assert all(s & (s - 1) == 0 for s in sizes if s >= ao._FLOOR)
+        assert sum(s < ao._FLOOR for s in sizes) <= 1 and all(s <= ao._PIECE for s in sizes)
+    # the copy round-trips bit for bit (unpinned here: pinned memory needs a GPU), dtype and shape kept
+    t = torch.randn(3, 5, 7, dtype=torch.float64).to(torch.bfloat16).transpose(0, 1)
+    copy = ao._HostCopy(t, pin_memory=False)
+    back = copy.to("cpu")
+    assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)

@@ -69,6 +69,24 @@ def test_llama_sp_with_norms_recomputed_matches_unsharded(world, stage, offload)
                     timeout=240)
 
 
+@pytest.mark.parametrize("world,stage,bf16,lora,offload", [(2, 0, False, False, False), (2, 3, True, False, True),
+                                                            (4, 2, False, True, True), (4, 3, False, False, False)])
+def test_llama_sp_with_tiled_decoder_layers_matches_unsharded(world, stage, bf16, lora, offload):
+    # the token-wise parts of every layer in tiles around the Ulysses attention, alone or inside offloaded
+    # checkpoints; under LoRA only the adapters (inside the tiled projections) train
+    if lora:
+        pytest.importorskip("peft")
+    run_distributed(_case,
+                    world,
+                    args=(stage, bf16, 2),
+                    kwargs={
+                        "tiled_layers": True,
+                        "lora": lora,
+                        "checkpoint_offload": offload
+                    },
+                    timeout=240)
+
+
 @pytest.mark.parametrize("world,stage", [(2, 0), (2, 3), (4, 3)])
 def test_llama_sp_with_tiled_mlp_and_logits_loss_matches_unsharded(world, stage):
     run_distributed(_case, world, args=(stage, False, 2), kwargs={"tiled_mlp": True, "tiled_loss": True}, timeout=240)
