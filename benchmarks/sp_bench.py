@@ -183,8 +183,19 @@ def _trial(state, args, impl, seq):
         reset_host = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
         if reset_host is not None:
             reset_host()
-    start = time.perf_counter()
     record = {"seq": seq}
+    try:
+        began = time.perf_counter()
+        host_hold, host_held = _hold_missing_host(args, impl, seq)
+        if host_held:
+            record.update(host_held_gib=host_held, host_hold_seconds=time.perf_counter() - began)
+    except RuntimeError as exc:  # the other layers' inputs do not fit in pinned host memory
+        record.update(ok=False, seconds=0.0, error=f"host: {str(exc).splitlines()[0][:200]}")
+        gc.collect()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()  # what was pinned before the failure
+        print(json.dumps({"impl": impl, **record}), flush=True)
+        return record
+    start = time.perf_counter()
     tracing = bool(getattr(args, "trace_peak", None)) and device.type == "cuda" and seq == args.compare_at
     if tracing:
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -199,6 +210,7 @@ def _trial(state, args, impl, seq):
         record.update(ok=False, seconds=time.perf_counter() - start, error=str(exc).split("\n")[0][:200])
         _drop(state)
     record["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    del host_hold
     record["host_peak_gib"] = _host_peak_gib()
     pinned = _pinned_gib()
     if pinned is not None:
@@ -238,6 +250,27 @@ def _hold_missing_layers(state, args):
     state["hold"] = torch.empty(held, dtype=torch.uint8, device="cuda")
     state["persistent_gib"] = persistent / 2**30
     return held / 2**30
+
+
+def _hold_missing_host(args, impl, seq):
+    """With ``--layers N`` below 16 on a GPU: the pinned host memory the other layers' offloaded inputs would take
+    at ``seq`` tokens, allocated the way each implementation allocates one (upstream, through Transformers'
+    ``save_on_cpu``: one pinned tensor per input, which torch's host allocator rounds up to a power of two; this
+    package: power-of-two pieces of the input's own size). Returns ``(buffers, GiB)``; raises what a failed
+    pinned allocation raises."""
+    import torch
+    full = LLAMA_3_2_1B["num_hidden_layers"]
+    if args.tiny or not args.layers or args.layers >= full or _device(args).type != "cuda" or args.no_hold:
+        return [], 0.0
+    nbytes = seq * _shape(args)["hidden_size"] * 2  # one layer's bf16 input [1, seq, hidden]
+    buffers = []
+    for _ in range(full - args.layers):
+        if impl == "ours":
+            from deepspeed.runtime.sequence_parallel.activation_offload import _host_pieces
+            buffers += _host_pieces(nbytes)
+        else:
+            buffers.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+    return buffers, (_pinned_gib() or (0.0, 0.0))[0]
 
 
 def _pinned_gib():
@@ -342,7 +375,16 @@ def search(args, impl):
 
     good, bad, seq, capped = 0, None, args.start, False
     last_seconds = None
-    while bad is None:
+    for seq in [int(x) for x in args.lengths.split(",") if x]:  # --lengths: exactly these, in order
+        rec = _trial(state, args, impl, seq)
+        trials.append(rec)
+        if rec["ok"]:
+            good = max(good, seq)
+        elif bad is None or seq < bad:
+            bad = seq
+    if args.lengths:
+        capped = True  # no search: the longest success among the lengths tried
+    while bad is None and not args.lengths:
         # a doubled length costs about 4x (attention is quadratic): stop before a step that cannot end in time
         predicted = 4.0 * last_seconds if last_seconds else 0.0
         if out_of_time() or seq > args.cap or time.perf_counter() - began + predicted > args.time_budget:
@@ -477,7 +519,8 @@ def _child(args, impl, compare_at, out):
     else:
         env["PYTHONPATH"] = os.pathsep.join([args.upstream_path, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--out", out]
-    for name in ("start", "cap", "resolution", "time_budget", "logits_tile", "trace_peak", "layers", "layer_tile"):
+    for name in ("start", "cap", "resolution", "time_budget", "logits_tile", "trace_peak", "layers", "layer_tile",
+                 "lengths"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--no-throughput"] if args.no_throughput else []
@@ -530,9 +573,13 @@ def main():
                         "recomputation is live at a time, so a model of fewer layers finds the device-memory limit "
                         "of a length at a fraction of its step time; add the other layers' parameters and "
                         "optimizer state to its peak")
+    parser.add_argument("--lengths",
+                        default="",
+                        help="comma-separated lengths to step, in order, instead of the search (one process)")
     parser.add_argument("--no-hold",
                         action="store_true",
-                        help="with --layers: do not hold device memory for the other layers' state")
+                        help="with --layers: do not hold device memory for the other layers' state nor pinned host "
+                        "memory for their offloaded inputs")
     parser.add_argument("--no-tiled-layers",
                         action="store_true",
                         help="this package without enable_tiled_decoder_layers (TiledMLP on the MLPs instead)")

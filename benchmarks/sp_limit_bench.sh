@@ -4,8 +4,8 @@
 # one 10-minute call:
 #   bash benchmarks/sp_limit_bench.sh throughput OUT   # 16 layers: tokens/s at 128k, both (upstream first)
 #   bash benchmarks/sp_limit_bench.sh slope OUT        # 1 layer + the other 15 layers' state held: peaks at 256k, 512k
-#   bash benchmarks/sp_limit_bench.sh limit-upstream OUT   # 1 layer + held state: doubling from 1M, then bisecting
-#   bash benchmarks/sp_limit_bench.sh limit-ours OUT
+#   bash benchmarks/sp_limit_bench.sh limit-upstream OUT   # 1 layer + the other layers' device state and pinned
+#   bash benchmarks/sp_limit_bench.sh limit-ours OUT       #   host inputs held: steps at LENGTHS (comma-separated)
 # UPSTREAM (default /tmp/upstream) holds upstream's installed package (benchmarks/README or docs/performance.md).
 set -euo pipefail
 mode=$1
@@ -22,10 +22,10 @@ throughput)
 slope)
   $bench --impl both --layers 1 --start 262144 --cap 524288 --no-throughput --out "$out/sp_slope_1layer.json" ;;
 limit-upstream)
-  PYTHONPATH=$up $bench --impl upstream --layers 1 --start 1048576 --resolution 131072 --time-budget "${BUDGET:-500}" \
+  PYTHONPATH=$up $bench --impl upstream --layers 1 --lengths "${LENGTHS:-1048576,1179648,1572864}" \
     --no-throughput --out "$out/sp_limit_1layer_upstream.json" ;;
 limit-ours)
-  PYTHONPATH=$here $bench --impl ours --layers 1 --start 1048576 --resolution 131072 --time-budget "${BUDGET:-500}" \
+  PYTHONPATH=$here $bench --impl ours --layers 1 --lengths "${LENGTHS:-1048576,1835008,2097152}" \
     --no-throughput --out "$out/sp_limit_1layer_ours.json" ;;
 *)
   echo "unknown mode $mode (throughput, slope, limit-upstream, limit-ours)" >&2; exit 2 ;;

@@ -42,6 +42,11 @@ def _piece_sizes(nbytes: int) -> List[int]:
     return sizes
 
 
+def _host_pieces(nbytes: int, pin_memory: bool = True) -> List[torch.Tensor]:
+    """Empty host byte buffers of :func:`_piece_sizes` for ``nbytes``."""
+    return [torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory) for size in _piece_sizes(nbytes)]
+
+
 class _HostCopy:
     """A device tensor's value in pinned host memory, as power-of-two pieces of its bytes (copied asynchronously
     on the current stream, which every later use of the device tensor's memory follows)."""
@@ -49,12 +54,10 @@ class _HostCopy:
     def __init__(self, t: torch.Tensor, pin_memory: bool = True):
         self.shape, self.dtype = t.shape, t.dtype
         flat = t.detach().contiguous().view(-1).view(torch.uint8)
-        self.pieces, offset = [], 0
-        for size in _piece_sizes(flat.numel()):
-            piece = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
-            piece.copy_(flat[offset:offset + size], non_blocking=True)
-            self.pieces.append(piece)
-            offset += size
+        self.pieces, offset = _host_pieces(flat.numel(), pin_memory), 0
+        for piece in self.pieces:
+            piece.copy_(flat[offset:offset + piece.numel()], non_blocking=True)
+            offset += piece.numel()
 
     def to(self, device, non_blocking=True) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype, device=device)
