@@ -47,6 +47,9 @@ SUPPORTED_LAYERS = {
 }
 
 
+_MIN_TRANSFORMERS = "4.57"
+
+
 def _tiles(seq: int, tile_tokens: int) -> List[Tuple[int, int]]:
     return [(start, min(start + tile_tokens, seq)) for start in range(0, seq, tile_tokens)]
 
@@ -223,6 +226,12 @@ def enable_tiled_decoder_layers(model: torch.nn.Module, tile_tokens: int = 8192)
     ``...DecoderLayer``) none of which is of a supported class."""
     if int(tile_tokens) < 1:
         raise ValueError(f"tile_tokens must be a positive number of tokens, got {tile_tokens}")
+    import transformers
+    from packaging.version import Version
+    if Version(transformers.__version__).release < Version(_MIN_TRANSFORMERS).release:
+        raise NotImplementedError(f"enable_tiled_decoder_layers needs transformers >= {_MIN_TRANSFORMERS} (decoder "
+                                  f"layers that return their hidden states as one tensor); found "
+                                  f"{transformers.__version__}")
     count, unsupported = 0, set()
     for module in model.modules():
         name = type(module).__name__

@@ -117,3 +117,20 @@ def test_trace_summary_reports_what_is_live_at_the_peak(sp_bench):
     got = sp_bench._trace_summary({"device_traces": [events]})
     assert got["peak_recorded_gib"] == 4.0
     assert got["live_at_peak"] == [{"where": "/x/b.py:7 b", "gib": 4.0, "count": 2}]
+
+
+def test_lengths_step_exactly_those_and_report_the_longest_success(sp_bench, monkeypatch):
+    import argparse
+    stepped = []
+
+    def fake_trial(state, args, impl, seq):
+        stepped.append(seq)
+        ok = seq <= 1500  # a step fails above 1500 tokens
+        return {"seq": seq, "ok": ok, "seconds": 0.0, "peak_gib": seq / 100 if ok else None}
+
+    monkeypatch.setattr(sp_bench, "_trial", fake_trial)
+    args = argparse.Namespace(lengths="1000,2000,1500", start=16, cap=1 << 20, resolution=8, time_budget=60.0,
+                              compare_at=0, no_throughput=True, cpu=True, tiny=True, layers=1)
+    result = sp_bench.search(args, "ours")
+    assert stepped == [1000, 2000, 1500]  # no doubling, no bisecting
+    assert (result["longest_ok"], result["first_oom"], result["capped"]) == (1500, 2000, True)

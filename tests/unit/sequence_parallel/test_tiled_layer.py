@@ -207,3 +207,10 @@ class _Fake(torch.nn.Module):
 
 
 _Fake.__name__ = "GemmaDecoderLayer"
+
+
+def test_an_older_transformers_is_refused(monkeypatch):
+    import transformers
+    monkeypatch.setattr(transformers, "__version__", "4.56.2")
+    with pytest.raises(NotImplementedError, match="transformers >= 4.57"):
+        enable_tiled_decoder_layers(_model("llama"))
