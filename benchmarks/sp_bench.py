@@ -106,12 +106,14 @@ def _build(args, impl):
     if impl == "ours":
         from deepspeed.runtime.sequence_parallel.activation_offload import enable_checkpoint_offload
         enable_checkpoint_offload(model)
+        from deepspeed.runtime.sequence_parallel.recompute import enable_recompute_in_backward
         if tiled_layers:  # token-wise parts in tiles around the attention (runtime/sequence_parallel/tiled_layer.py)
             from deepspeed.runtime.sequence_parallel.tiled_layer import enable_tiled_decoder_layers
             enable_tiled_decoder_layers(model, tile_tokens=args.layer_tile)
-        elif not args.no_recompute_norms:  # the norms keep only their inputs (runtime/sequence_parallel/recompute.py)
-            from deepspeed.runtime.sequence_parallel.recompute import enable_recompute_in_backward
-            enable_recompute_in_backward(model)
+        # the norms keep only their inputs (runtime/sequence_parallel/recompute.py); inside tiled layers they
+        # run in tiles already, so then only the final norm
+        if not args.no_recompute_norms:
+            enable_recompute_in_backward(model.model.norm if tiled_layers else model)
     else:
         # (no pinned memory without a GPU: the CPU smoke test checkpoints without offload)
         model.gradient_checkpointing_enable(offload=_device(args).type == "cuda")
