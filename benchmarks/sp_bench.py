@@ -228,6 +228,9 @@ def _trial(state, args, impl, seq):
     return record
 
 
+_HELD = {}  # the device bytes held for the missing layers, once measured
+
+
 def _hold_missing_layers(state, args):
     """With ``--layers N`` below the model's 16 on a GPU: after a short step (so that the optimizer state exists),
     hold the device memory the other layers' parameters, gradients and optimizer state would take, at the bytes
@@ -237,6 +240,10 @@ def _hold_missing_layers(state, args):
     full = LLAMA_3_2_1B["num_hidden_layers"]
     if args.tiny or not args.layers or args.layers >= full or _device(args).type != "cuda" or args.no_hold:
         return 0.0
+    if _HELD.get("bytes") is not None:  # measured on the first engine of this process: an engine rebuilt after
+        #  an OOM would count what the failed one left behind
+        state["hold"] = torch.empty(_HELD["bytes"], dtype=torch.uint8, device="cuda")
+        return _HELD["bytes"] / 2**30
     _step(state["engine"], state["model"], state["ulysses"], 4096, args.logits_tile, _shape(args)["vocab_size"])
     torch.cuda.synchronize()
     gc.collect()
@@ -250,7 +257,7 @@ def _hold_missing_layers(state, args):
     per_layer = sum(numel(p) for p in model.model.layers[0].parameters())
     held = int(persistent / total * per_layer * (full - args.layers))
     state["hold"] = torch.empty(held, dtype=torch.uint8, device="cuda")
-    state["persistent_gib"] = persistent / 2**30
+    _HELD["bytes"] = held
     return held / 2**30
 
 
