@@ -87,6 +87,20 @@ def test_llama_sp_with_tiled_decoder_layers_matches_unsharded(world, stage, bf16
                     timeout=240)
 
 
+def test_llama_sp_with_tiled_decoder_layers_and_variable_lengths_matches_unsharded():
+    # padded samples of 7 and 8 tokens; tiles of 3 tokens over shards of 4
+    run_distributed(_case,
+                    2,
+                    args=(3, False, 2),
+                    kwargs={
+                        "tiled_layers": True,
+                        "seq": 7,
+                        "variable": True,
+                        "gas": 2
+                    },
+                    timeout=240)
+
+
 @pytest.mark.parametrize("world,stage", [(2, 0), (2, 3), (4, 3)])
 def test_llama_sp_with_tiled_mlp_and_logits_loss_matches_unsharded(world, stage):
     run_distributed(_case, world, args=(stage, False, 2), kwargs={"tiled_mlp": True, "tiled_loss": True}, timeout=240)
