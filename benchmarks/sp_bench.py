@@ -229,6 +229,13 @@ def _trial(state, args, impl, seq):
 
 
 _HELD = {}  # the device bytes held for the missing layers, once measured
+_FULL_LAYERS = LLAMA_3_2_1B["num_hidden_layers"]
+
+
+def _holds(args):
+    """Whether this run stands in for the whole model's memory: fewer layers than its 16, on a GPU."""
+    return not (args.tiny or not args.layers or args.layers >= _FULL_LAYERS or _device(args).type != "cuda"
+                or args.no_hold)
 
 
 def _hold_missing_layers(state, args):
@@ -237,8 +244,7 @@ def _hold_missing_layers(state, args):
     per parameter this engine holds between steps (the embeddings' rate: ZeRO-3 keeps every parameter alike).
     Returns the GiB held (0 when nothing is held)."""
     import torch
-    full = LLAMA_3_2_1B["num_hidden_layers"]
-    if args.tiny or not args.layers or args.layers >= full or _device(args).type != "cuda" or args.no_hold:
+    if not _holds(args):
         return 0.0
     if _HELD.get("bytes") is not None:  # measured on the first engine of this process: an engine rebuilt after
         #  an OOM would count what the failed one left behind
@@ -255,7 +261,7 @@ def _hold_missing_layers(state, args):
     model = state["model"]
     total = sum(numel(p) for p in model.parameters())
     per_layer = sum(numel(p) for p in model.model.layers[0].parameters())
-    held = int(persistent / total * per_layer * (full - args.layers))
+    held = int(persistent / total * per_layer * (_FULL_LAYERS - args.layers))
     state["hold"] = torch.empty(held, dtype=torch.uint8, device="cuda")
     _HELD["bytes"] = held
     return held / 2**30
@@ -268,12 +274,11 @@ def _hold_missing_host(args, impl, seq):
     package: power-of-two pieces of the input's own size). Returns ``(buffers, GiB)``; raises what a failed
     pinned allocation raises."""
     import torch
-    full = LLAMA_3_2_1B["num_hidden_layers"]
-    if args.tiny or not args.layers or args.layers >= full or _device(args).type != "cuda" or args.no_hold:
+    if not _holds(args):
         return [], 0.0
     nbytes = seq * _shape(args)["hidden_size"] * 2  # one layer's bf16 input [1, seq, hidden]
     buffers = []
-    for _ in range(full - args.layers):
+    for _ in range(_FULL_LAYERS - args.layers):
         if impl == "ours":
             from deepspeed.runtime.sequence_parallel.activation_offload import _host_pieces
             buffers += _host_pieces(nbytes)

@@ -29,6 +29,19 @@ def tiny_llama(seed=0, kv_heads=KV_HEADS, heads=HEADS, hidden=HIDDEN):
     return LlamaForCausalLM(config)
 
 
+def saved_bytes(fn):
+    """The bytes of the storages autograd saves for backward while ``fn()`` runs (each storage once)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
 def sample(rank, seq):
     """Rank ``rank``'s sample: random tokens, labels 1 and ``seq // 2`` masked, so the first shard of a group has
     fewer valid tokens than the others (a loss that is not token-weighted gets other gradients)."""

@@ -12,6 +12,8 @@ import torch
 
 from deepspeed.runtime.sequence_parallel.tiled_layer import enable_tiled_decoder_layers, tiled
 
+from tests.unit.sequence_parallel.llama_cases import saved_bytes
+
 pytest.importorskip("transformers")
 
 
@@ -137,23 +139,15 @@ def test_a_kv_cache_is_updated_as_by_the_plain_layers():
 
 def test_keeps_less_for_backward():
 
-    def saved_bytes(model, ids):
-        storages = {}
-
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.model(input_ids=ids)
-        return sum(storages.values())
+    def kept(model, ids):
+        return saved_bytes(lambda: model.model(input_ids=ids))
 
     hidden, seq = 32, 64
     plain = _model("llama", hidden=hidden, heads=4, kv_heads=2, head_dim=8, inner=64, layers=1, dtype=torch.bfloat16)
     tiled = copy.deepcopy(plain)
     enable_tiled_decoder_layers(tiled, tile_tokens=16)
     ids = torch.randint(0, 53, (1, seq), generator=torch.Generator().manual_seed(0))
-    tiled_bytes, plain_bytes = saved_bytes(tiled, ids), saved_bytes(plain, ids)
+    tiled_bytes, plain_bytes = kept(tiled, ids), kept(plain, ids)
     # the tiled layer keeps its input, q, k, v and the attention's output (and the final norm and the rotary
     # tables outside it); the plain one keeps at least the MLP's three [seq, inner] intermediates besides
     assert tiled_bytes < plain_bytes - 3 * seq * 64 * 2

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the speculative-step tests share (``test_speculative_offload*.py``): the environment of a pipelined run,
-the training loop with forced clips, overflows and LR changes, the optimizer state read after it, and the
-bit-for-bit comparison of an exact and a speculative run."""
+the training loop with forced clips, overflows and LR changes, the optimizer state read after it, the
+bit-for-bit comparison of an exact and a speculative run, and the reads between backward and step()."""
 
 import contextlib
 import os
@@ -93,6 +93,27 @@ def optimizer_state(stage):
         if "step" in state:
             moments.append(torch.as_tensor(float(state["step"])))
     return masters, moments
+
+
+def check_read_before_step(engine, model):
+    """Reads of the fp32 masters (``model.head.weight``'s) and of the optimizer's state_dict between a boundary
+    backward and ``step()`` roll the speculation back and see the state before the step; ``step()`` then steps."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    before = safe_get_full_fp32_param(model.head.weight).clone()
+    engine.backward(engine(torch.randn(2, 7, dtype=torch.bfloat16)).float().square().mean())
+    assert torch.equal(safe_get_full_fp32_param(model.head.weight), before)
+    stats = engine.optimizer.speculative_stats
+    assert stats["rolled_back"] == 1 and stats["reasons"]["read"] == 1, stats
+    engine.step()
+    # the optimizer's state_dict between a boundary backward and step() shows the state before the step
+    saved = engine.optimizer.state_dict()["optimizer"]["state"]
+    steps_before = sorted(float(s["step"]) for s in saved.values())
+    engine.backward(engine(torch.randn(2, 7, dtype=torch.bfloat16)).float().square().mean())
+    saved = engine.optimizer.state_dict()["optimizer"]["state"]
+    assert sorted(float(s["step"]) for s in saved.values()) == steps_before
+    assert stats["reasons"]["read"] == 2, stats
+    engine.step()
+    assert not torch.equal(safe_get_full_fp32_param(model.head.weight), before)
 
 
 def assert_same(exact, speculative):

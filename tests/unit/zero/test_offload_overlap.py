@@ -148,31 +148,36 @@ def test_overlap_state_dict_waits_for_the_step():
     assert run_distributed(_state_dict_waits, 1, timeout=120) == [True]
 
 
+def _small_bucket_config():
+    """ZeRO-2, bf16, the optimizer offloaded, buckets of 20 elements (so a small net has several pieces)."""
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "bf16": {
+            "enabled": True
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-1
+            }
+        },
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": 20,
+            "offload_optimizer": {
+                "device": "cpu"
+            }
+        },
+    }
+
+
 def _state_dict_waits():
     os.environ["DS_OFFLOAD_OVERLAP"] = "1"
     StepPipeline.piece_delay = 0.02
     try:
         torch.manual_seed(3)
         model = _Net(6, 3)
-        config = {
-            "train_micro_batch_size_per_gpu": 2,
-            "bf16": {
-                "enabled": True
-            },
-            "optimizer": {
-                "type": "AdamW",
-                "params": {
-                    "lr": 1e-1
-                }
-            },
-            "zero_optimization": {
-                "stage": 2,
-                "reduce_bucket_size": 20,
-                "offload_optimizer": {
-                    "device": "cpu"
-                }
-            },
-        }
+        config = _small_bucket_config()
         engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
         loss = engine(torch.randn(2, 7, dtype=torch.bfloat16)).float().square().mean()
         engine.backward(loss)
@@ -221,25 +226,7 @@ def _reads_wait(reader):
         try:
             torch.manual_seed(3)
             model = _Net(6, 3)
-            config = {
-                "train_micro_batch_size_per_gpu": 2,
-                "bf16": {
-                    "enabled": True
-                },
-                "optimizer": {
-                    "type": "AdamW",
-                    "params": {
-                        "lr": 1e-1
-                    }
-                },
-                "zero_optimization": {
-                    "stage": 2,
-                    "reduce_bucket_size": 20,
-                    "offload_optimizer": {
-                        "device": "cpu"
-                    }
-                },
-            }
+            config = _small_bucket_config()
             engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
             gen = torch.Generator().manual_seed(5)
             reads = []

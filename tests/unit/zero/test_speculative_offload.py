@@ -19,7 +19,8 @@ import torch
 import deepspeed
 from deepspeed.ops.adam import host_adam
 from tests.unit.common import run_distributed
-from tests.unit.zero.speculative_cases import assert_same, optimizer_state, pipelined, train_steps, with_precision
+from tests.unit.zero.speculative_cases import (assert_same, check_read_before_step, optimizer_state, pipelined,
+                                               train_steps, with_precision)
 
 pytestmark = pytest.mark.skipif(host_adam.host_adam_op() is None, reason="the host Adam op cannot be built here")
 
@@ -42,6 +43,27 @@ class _Net(torch.nn.Module):
         return self.head(x)
 
 
+def _config(stage, super_offload, dtype="bf16", *, gas=1, clip=None, lr=1e-1, weight_decay=None, bucket=None):
+    """A ZeRO-``stage`` config with the optimizer offloaded (``super_offload`` speculating); unset keys stay
+    absent, so their defaults apply."""
+    params = {"lr": lr} if weight_decay is None else {"lr": lr, "weight_decay": weight_decay}
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "super_offload": super_offload}}
+    if bucket is not None:
+        zero["reduce_bucket_size"] = bucket
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {
+            "type": "AdamW",
+            "params": params
+        },
+        "zero_optimization": zero,
+    }
+    if clip is not None:
+        config["gradient_clipping"] = clip
+    return with_precision(config, dtype)
+
+
 def _train(super_offload,
            *,
            stage=2,
@@ -62,27 +84,7 @@ def _train(super_offload,
     with pipelined(dtype, delay):
         torch.manual_seed(7)
         model = _Net(width, depth, stall)
-        config = with_precision(
-            {
-                "train_micro_batch_size_per_gpu": 2,
-                "gradient_accumulation_steps": gas,
-                "gradient_clipping": clip,
-                "optimizer": {
-                    "type": "AdamW",
-                    "params": {
-                        "lr": 3e-2,
-                        "weight_decay": 0.1
-                    }
-                },
-                "zero_optimization": {
-                    "stage": stage,
-                    "reduce_bucket_size": bucket,
-                    "offload_optimizer": {
-                        "device": "cpu",
-                        "super_offload": super_offload
-                    }
-                },
-            }, dtype)
+        config = _config(stage, super_offload, dtype, gas=gas, clip=clip, lr=3e-2, weight_decay=0.1, bucket=bucket)
         engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
         stage_obj = engine._stage
         assert stage_obj.host_step.pipeline is not None
@@ -189,47 +191,13 @@ def test_adaptive_policy_stops_speculating_while_clipping():
 
 def _read_before_step():
     """An accessor reading the masters between the boundary backward and step() sees the values before the step."""
-    from deepspeed.utils import safe_get_full_fp32_param
     os.environ["DS_OFFLOAD_OVERLAP"] = "1"
     try:
         torch.manual_seed(3)
         model = _Net(6, 3, 0.0)
-        config = {
-            "train_micro_batch_size_per_gpu": 2,
-            "bf16": {
-                "enabled": True
-            },
-            "optimizer": {
-                "type": "AdamW",
-                "params": {
-                    "lr": 1e-1
-                }
-            },
-            "zero_optimization": {
-                "stage": 2,
-                "reduce_bucket_size": 20,
-                "offload_optimizer": {
-                    "device": "cpu",
-                    "super_offload": True
-                }
-            },
-        }
+        config = _config(2, True, bucket=20)
         engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
-        before = safe_get_full_fp32_param(model.head.weight).clone()
-        engine.backward(engine(torch.randn(2, 7, dtype=torch.bfloat16)).float().square().mean())
-        assert torch.equal(safe_get_full_fp32_param(model.head.weight), before)
-        stats = engine.optimizer.speculative_stats
-        assert stats["rolled_back"] == 1 and stats["reasons"]["read"] == 1, stats
-        engine.step()
-        # the optimizer's state_dict between a boundary backward and step() shows the state before the step
-        saved = engine.optimizer.state_dict()["optimizer"]["state"]
-        steps_before = sorted(float(s["step"]) for s in saved.values())
-        engine.backward(engine(torch.randn(2, 7, dtype=torch.bfloat16)).float().square().mean())
-        saved = engine.optimizer.state_dict()["optimizer"]["state"]
-        assert sorted(float(s["step"]) for s in saved.values()) == steps_before
-        assert stats["reasons"]["read"] == 2, stats
-        engine.step()
-        assert not torch.equal(safe_get_full_fp32_param(model.head.weight), before)
+        check_read_before_step(engine, model)
         engine.destroy()
         return True
     finally:
@@ -241,25 +209,7 @@ def test_read_before_step_rolls_back():
 
 
 def _unsupported(stage, extra):
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "bf16": {
-            "enabled": True
-        },
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": 1e-1
-            }
-        },
-        "zero_optimization": {
-            "stage": stage,
-            "offload_optimizer": {
-                "device": "cpu",
-                "super_offload": True
-            }
-        },
-    }
+    config = _config(stage, True)
     config["zero_optimization"].update(extra)
     try:
         deepspeed.initialize(model=_Net(4, 1, 0.0), config=config)

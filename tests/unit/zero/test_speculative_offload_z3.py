@@ -21,7 +21,8 @@ import torch
 import deepspeed
 from deepspeed.ops.adam import host_adam
 from tests.unit.common import run_distributed
-from tests.unit.zero.speculative_cases import assert_same, optimizer_state, pipelined, train_steps, with_precision
+from tests.unit.zero.speculative_cases import (assert_same, check_read_before_step, optimizer_state, pipelined,
+                                               train_steps, with_precision)
 
 pytestmark = pytest.mark.skipif(host_adam.host_adam_op() is None, reason="the host Adam op cannot be built here")
 
@@ -215,28 +216,13 @@ def test_second_backward_rolls_back(offload_param):
 
 def _read_before_step(offload_param):
     """An accessor reading the masters between the boundary backward and step() sees the values before the step."""
-    from deepspeed.utils import safe_get_full_fp32_param
     os.environ["DS_OFFLOAD_OVERLAP"] = "1"
     try:
         torch.manual_seed(3)
         model = _Net(9, 3, 0.0, False)
         config = _config(True, 1, offload_param, "bf16", 1e6)
         engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
-        before = safe_get_full_fp32_param(model.head.weight).clone()
-        engine.backward(engine(torch.randn(2, 7, dtype=torch.bfloat16)).float().square().mean())
-        assert torch.equal(safe_get_full_fp32_param(model.head.weight), before)
-        stats = engine.optimizer.speculative_stats
-        assert stats["rolled_back"] == 1 and stats["reasons"]["read"] == 1, stats
-        engine.step()
-        # the optimizer's state_dict between a boundary backward and step() shows the state before the step
-        saved = engine.optimizer.state_dict()["optimizer"]["state"]
-        steps_before = sorted(float(s["step"]) for s in saved.values())
-        engine.backward(engine(torch.randn(2, 7, dtype=torch.bfloat16)).float().square().mean())
-        saved = engine.optimizer.state_dict()["optimizer"]["state"]
-        assert sorted(float(s["step"]) for s in saved.values()) == steps_before
-        assert stats["reasons"]["read"] == 2, stats
-        engine.step()
-        assert not torch.equal(safe_get_full_fp32_param(model.head.weight), before)
+        check_read_before_step(engine, model)
         engine.destroy()
         return True
     finally:
