@@ -20,6 +20,8 @@ from typing import Any, Callable, List
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from deepspeed.runtime.zero.transfers import pinned_empty
+
 __all__ = ["checkpoint_offloaded", "enable_checkpoint_offload"]
 
 
@@ -44,7 +46,7 @@ def _piece_sizes(nbytes: int) -> List[int]:
 
 def _host_pieces(nbytes: int, pin_memory: bool = True) -> List[torch.Tensor]:
     """Empty host byte buffers of :func:`_piece_sizes` for ``nbytes``."""
-    return [torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory) for size in _piece_sizes(nbytes)]
+    return [pinned_empty(size, torch.uint8, pin_memory) for size in _piece_sizes(nbytes)]
 
 
 class _HostCopy:
