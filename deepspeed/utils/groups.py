@@ -5,9 +5,9 @@ Nothing else in the package creates process groups. :class:`MeshDescription` is 
 pure description (world size, pipeline-, model- (tensor-), sequence- and expert-parallel sizes,
 and the rank tables derived from them); :func:`initialize_mesh` builds it once at
 ``deepspeed.initialize`` from the config's ``sequence_parallel_size``, the pipeline and
-tensor-parallel sizes, an ``mpu`` and the MoE layers' ``ep_size``, and creates its groups. Every rank builds the same description and calls
-``torch.distributed.new_group`` for every group of it in the same order, so group creation
-never pairs mismatched collectives.
+tensor-parallel sizes, an ``mpu`` and the MoE layers' ``ep_size``, and creates its groups.
+Every rank builds the same description and calls ``torch.distributed.new_group`` for every
+group of it in the same order, so group creation never pairs mismatched collectives.
 
 Rank layout (the standard one, without an ``mpu``)::
 
