@@ -26,8 +26,10 @@ The protocol. Every rank reaches the rendezvous store (the default group's ``Sto
    the transport's report that a peer is gone (:data:`PEER_GONE`: the peer was killed, crashed, or exited after an
    exception outside the engine's methods) skips the wait of step 2: this rank marks the fault abandoned, aborts its
    group and raises :class:`PeerFailureError` at once, naming the peer and its exception if its record exists, else
-   saying it ended without one (or that the store holding the records went with it). Under torchrun such a rank
-   writes its error file saying so, and the node agent reports the rank that failed on its own.
+   saying it ended without one (or that the store holding the records went with it). An exception that ends a
+   process is published as its record before the exit closes the transport (:func:`record_uncaught_exceptions`),
+   so that a peer names it. Under torchrun a rank also writes its error file (a PeerFailureError marks a peer's
+   consequence), and the node agent reports the rank that failed on its own.
 
 After that no process group exists on these ranks: ``init_distributed`` (and so ``deepspeed.initialize``) raises
 :class:`PeerFailureError` at once, instead of waiting in a rendezvous no peer will join. A group cannot be mended
@@ -50,6 +52,7 @@ import contextlib
 import functools
 import json
 import os
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -66,6 +69,7 @@ WATCH_SLICE_S = 1.0
 POLL_S = 0.02
 ACK_WAIT_S = 5.0  # how long a failed rank keeps the store up for its peers to read the record
 MAX_REASON_CHARS = 600
+_RECORDED = "_deepspeed_fault_recorded"  # set on an exception the protocol has published
 
 
 class PeerFailureError(RuntimeError):
@@ -89,6 +93,7 @@ class _State:
         self.watch_world = None  # id() of the default group ``watch`` was decided for, and the decision
         self.watch = False
         self.watch_forced = None  # set_watched_waits
+        self.excepthook_installed = False  # record_uncaught_exceptions
         self.local = threading.local()
 
 
@@ -290,6 +295,10 @@ def on_exception(exc, where):
     peers = _peers()
     if peers is None:
         return
+    try:
+        setattr(exc, _RECORDED, True)  # an uncaught exception publishes no second record (record_uncaught_exceptions)
+    except AttributeError:
+        pass
     store, rank, world = peers
     base = _base()
     try:
@@ -365,19 +374,63 @@ def _peer_failed(store, rank, world, cause, where):
     raise PeerFailureError(message, failed) from cause
 
 
-def _mark_consequence(message):
-    """Under torchrun, write this worker's error file as torchrun's ``record`` does, with the PeerFailureError: the
-    node agent then reports the rank whose failure caused it, not this one (``deepspeed/launcher/launch.py``)."""
+def _write_error_file(text):
+    """Under torchrun, write this worker's error file as torchrun's ``record`` decorator writes it."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": f"{PeerFailureError.__name__}: {message}",
-                        "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}}  # yapf: disable
+    data = {"message": {"message": text, "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}}
     try:
         with open(path, "w") as handle:
             json.dump(data, handle)
     except OSError:  # best effort: the agent then orders failures by time alone
         pass
+
+
+def _mark_consequence(message):
+    """The error file says this rank fails because of a peer: the node agent then reports the rank whose failure
+    caused it, not this one (``deepspeed/launcher/launch.py``)."""
+    _write_error_file(f"{PeerFailureError.__name__}: {message}")
+
+
+def record_uncaught_exceptions():
+    """Make an exception that ends this process known before the interpreter's exit (which closes the transport and
+    can take seconds): its fault record goes to the rendezvous store, so that a peer names it (step 4 of the module
+    docstring), unless the exception already went through the protocol or was caused by a peer; under torchrun it
+    also goes to the worker's error file (as torchrun's ``record`` decorator would write it), so that the node agent
+    knows which rank ended on its own exception even when it stops that rank before it exits. Installed once, by
+    ``init_distributed``; the previous ``sys.excepthook`` runs after."""
+    if _state.excepthook_installed:
+        return
+    _state.excepthook_installed = True
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        try:
+            _record_uncaught(kind, value)
+        except Exception:  # never in the way of the traceback
+            pass
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+
+
+def _record_uncaught(kind, value):
+    cause = value
+    while cause is not None and not isinstance(cause, PeerFailureError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        _mark_consequence(str(cause))
+        return
+    text = f"{kind.__name__}: {value}".strip()
+    _write_error_file(text)
+    peers = _peers()
+    if peers is None or getattr(value, _RECORDED, False):
+        return
+    store, rank, world = peers
+    if len(text) > MAX_REASON_CHARS:
+        text = text[:MAX_REASON_CHARS] + " ..."
+    store.set(f"{_base()}/rank{rank}", json.dumps(dict(seq=_sequences(), reason=f"ended with an uncaught {text}")))
 
 
 def _transport_lost_peer(exc):

@@ -157,12 +157,17 @@ def _failure_of(error) -> tuple:
     torchrun orders failures by a timestamp in whole seconds, then as it found them (by local rank within one poll):
     a rank that died and the peer that raised PeerFailureError within the same instant (docs/faults.md) can come out
     in either order. A failure caused by a peer comes after every other, so the command reports the rank that
-    failed on its own, with its own exit code (128 + N for signal N).
+    failed on its own, with its own exit code (128 + N for signal N). Workers write torchrun's error file when an
+    exception ends them (``peer_failure.record_uncaught_exceptions``).
     """
     order = {rank: index for index, rank in enumerate(error.failures)}
     rank, failure = min(error.failures.items(),
                         key=lambda item: (_caused_by_a_peer(item[1]), item[1].timestamp, order[item[0]]))
     code = failure.exitcode
+    if code == -signal.SIGTERM and isinstance(failure.message, dict):
+        # torchrun stopped it while it was exiting on an uncaught exception (its error file says which): the status
+        # it was exiting with is Python's for that, 1
+        return rank, 1
     return rank, (128 - code if code < 0 else code) or 1
 
 

@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """A rank that dies: its peer's error comes as soon as the transport reports it, never later.
 
-Two ranks train a small model on ZeRO stage 0; after its forward at step 2, rank 1 either raises (outside the
-engine, so it writes no failure record) and exits, or is killed with SIGKILL, while rank 0 waits in the step's
-gradient all-reduce. Started without the launcher (``env://``), rank 0 must end with ``PeerFailureError`` naming
-rank 1 and saying it ended without a failure record, within a few seconds of rank 1's death (the failure timeout
-is 60 s here, so waiting for a record would show). Under the ``deepspeed`` launcher the SIGKILL case makes the
-command exit with the killed rank's own status, 128 + 9, naming rank 1 (docs/faults.md). The three runs go
-concurrently, each under a hard timeout; unit cases check the message of each ending on an in-memory store.
+Two ranks train a small model on ZeRO stage 0; after its forward at step 2, rank 1 either raises outside the
+engine and exits, or is killed with SIGKILL, while rank 0 waits in the step's gradient all-reduce. Started without
+the launcher (``env://``), rank 0 must end with ``PeerFailureError`` naming rank 1 and its uncaught exception
+(published as the process ended), or saying it ended without a failure record (SIGKILL), within a few seconds of
+rank 1's death (the failure timeout is 60 s here, so waiting for a record would show); both pairs run at once,
+under a hard timeout. Under the ``deepspeed`` launcher a SIGKILLed rank makes the command exit with that rank's
+own status, 128 + 9, naming it, also when a peer exits in the same instant (docs/faults.md). Unit cases check what
+the survivor says on an in-memory store, what an uncaught exception publishes, and which failure the node agent
+reports.
 """
 
 import json
@@ -155,8 +157,10 @@ def test_a_dead_peer_surfaces_as_soon_as_the_transport_says_so(tmp_path):
         assert (out / "rank0.json").exists(), logs
         died, rank0 = _read(out / "died.json")["t"], _read(out / "rank0.json")
         assert rank0["type"] == "PeerFailureError", (mode, rank0)
-        assert "rank 1 ended without a failure record" in rank0["error"], (mode, rank0["error"])
-        assert rank0["failed"] == {"1": "ended without a failure record"}, (mode, rank0)
+        said = {"raise": "ended with an uncaught ValueError: rank 1 broke after its forward",
+                "kill": "ended without a failure record"}[mode]  # yapf: disable
+        assert f"rank 1 {said}" in rank0["error"], (mode, rank0["error"])
+        assert rank0["failed"] == {"1": said}, (mode, rank0)
         assert rank0["t"] - died < WITHIN_S, (mode, rank0["t"] - died)
         assert [code for code, _ in results] == [1, 1 if mode == "raise" else -signal.SIGKILL], (mode, logs)
 
@@ -200,6 +204,9 @@ def test_which_failure_the_node_agent_reports():
         0: _Failure(-signal.SIGTERM, 100)
     })) == (1, 137)
     assert _failure_of(_ChildFailed({0: _Failure(3, 100), 1: _Failure(1, 100)})) == (0, 3)
+    # rank 1 ending on its exception (its error file) was still exiting when the survivor ended: torchrun stopped it
+    own = {"message": "ValueError: bad batch", "extraInfo": {"timestamp": "99"}}
+    assert _failure_of(_ChildFailed({0: _Failure(1, 100, peer), 1: _Failure(-signal.SIGTERM, 99, own)})) == (1, 1)
     assert _failure_of(_ChildFailed({0: _Failure(1, 101), 1: _Failure(2, 100)})) == (1, 2)
 
 
@@ -251,6 +258,28 @@ def test_what_the_survivor_says(monkeypatch, tmp_path):
     assert f"rank 1 {reason}" in str(error) and error.failed == {1: reason}
     error = _ending(monkeypatch, 3, {2: {"seq": {}, "reason": reason}})
     assert f"rank 2 {reason}; rank 1 left no failure record" in str(error) and error.failed == {2: reason}
+
+
+def test_an_uncaught_exception_is_published(monkeypatch, tmp_path):
+    """Before the interpreter's exit closes the transport: the record for the peers, the error file for torchrun."""
+    monkeypatch.setattr(peer_failure, "_state", peer_failure._State())
+    store = _Store()
+    monkeypatch.setattr(peer_failure, "_peers", lambda: (store, 1, 2))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    peer_failure._record_uncaught(ValueError, ValueError("bad batch"))
+    record = json.loads(store.values["deepspeed/peer_failure/0/rank1"])
+    assert record["reason"] == "ended with an uncaught ValueError: bad batch" and "seq" in record
+    assert _read(tmp_path / "error.json")["message"]["message"] == "ValueError: bad batch"
+    published = ValueError("left engine.forward")  # went through the protocol already: no second record
+    setattr(published, peer_failure._RECORDED, True)
+    store.values.clear()
+    peer_failure._record_uncaught(ValueError, published)
+    assert store.values == {}
+    caused = RuntimeError("cleanup failed")  # caused by a peer's failure: the error file keeps that mark
+    caused.__context__ = PeerFailureError("rank 0: ... rank 1 ended without a failure record")
+    peer_failure._record_uncaught(RuntimeError, caused)
+    assert _read(tmp_path / "error.json")["message"]["message"].startswith("PeerFailureError: rank 0")
+    assert store.values == {}
 
 
 def test_when_the_dead_peer_held_the_store(monkeypatch):
