@@ -380,9 +380,13 @@ def _write_error_file(text):
     if not path:
         return
     data = {"message": {"message": text, "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}}
+    # Written aside and renamed into place: the agent stops the other workers as soon as one fails and then reads
+    # every error file, so a file it finds must never be half written.
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as handle:
+        with open(partial, "w") as handle:
             json.dump(data, handle)
+        os.replace(partial, path)
     except OSError:  # best effort: the agent then orders failures by time alone
         pass
 

@@ -90,8 +90,10 @@ while True:
     time.sleep(0.002)
 message = {"message": "PeerFailureError: rank 0: engine.backward could not complete: rank 1 ended without a record",
            "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}
-with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as handle:
+path = os.environ["TORCHELASTIC_ERROR_FILE"]
+with open(path + ".partial", "w") as handle:  # renamed into place, as deepspeed.comm.peer_failure writes it
     json.dump({"message": message}, handle)
+os.replace(path + ".partial", path)
 sys.exit(1)
 """
 
