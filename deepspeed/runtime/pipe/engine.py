@@ -320,8 +320,12 @@ class PipelineEngine(DeepSpeedEngine):
         self._compute_loss = True
         self.timers(TRAIN_BATCH_TIMER).start()
         sched = self._train_schedule()
-        self._batch.draw(sched.micro_batches, needs_labels=True)
-        self._exec_schedule(sched)
+        try:
+            self._batch.draw(sched.micro_batches, needs_labels=True)
+            self._exec_schedule(sched)
+        except BaseException:
+            self._discard_batch()
+            raise
         with torch.no_grad():
             self.agg_train_loss = self._aggregate_total_loss()
         self.timers(TRAIN_BATCH_TIMER).stop()
@@ -372,6 +376,18 @@ class PipelineEngine(DeepSpeedEngine):
             self.outputs = None
             return eval_output, outputs
         return eval_output
+
+    def _discard_batch(self):
+        """A batch that raised leaves nothing behind: no half-accumulated window, no buffers, no queued transfer
+        (the next ``train_batch`` starts clean on every stage, whichever stage failed where)."""
+        self._exchange, self._in_group = None, False
+        self._received_grads.clear()
+        self._buffer_losses.clear()
+        self._split_backwards.clear()
+        for key in self.pipe_buffers:
+            self.pipe_buffers[key] = [None] * len(self.pipe_buffers[key])
+        self.window.boundary_flag = None
+        self.zero_grad()
 
     def _scale_loss_by_gas(self, prescaled_loss, eval_micro_batches=None):
         gas = eval_micro_batches if eval_micro_batches is not None else self.micro_batches

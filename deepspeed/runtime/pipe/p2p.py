@@ -12,8 +12,11 @@ gradient per tensor that required grad, its dtype and shape). Without ``dynamic_
 of each stream is kept, and a later one that differs raises :class:`PipelineShapeError` on both ends
 (after the headers are exchanged, before any payload is), instead of computing on data of another shape.
 
-An exchange posts all its sends and receives together (``deepspeed.comm.batch_isend_irecv``): two stages may
-send to each other in the same exchange, and waits are watched for failed peers (docs/faults.md).
+An exchange posts all its sends and receives together: with NCCL as one ``batch_isend_irecv`` on the pipeline's
+own group (two stages may send to each other in the same exchange). With gloo each transfer is a broadcast in the
+two-rank group of its stages, in an order both ends derive alike (the sender's rank, then the instructions'
+order): gloo's point-to-point waits cannot be resumed after a timeout, its collectives can, so waits stay
+watched for failed peers (docs/faults.md) and a stage whose neighbour failed raises in bounded time.
 """
 
 import pickle
@@ -27,6 +30,7 @@ from deepspeed.utils import groups
 _groups = None
 _grid = None
 _group = None  # the stages' transfer group (see init_process_groups)
+_pairs = None  # gloo: (lower rank, higher rank) -> the two-rank group of neighbouring stages
 _async = []
 
 # dtype <-> id for headers: upstream's twelve first (their ids), then the newer ones this torch has.
@@ -56,11 +60,23 @@ def init_process_groups(grid):
     point-to-point messages never share a communicator, nor its sequence of operations, with the collectives
     of the default group. Returns that group.
     """
-    global _grid, _group
+    global _grid, _group, _pairs
     if grid.pipe_parallel_size <= 1:
         raise AssertionError("There is no pipeline parallelism")
     _grid = grid
     _group = groups.group_of_ranks(grid.pipe_groups, own=True)
+    _pairs = None
+    if dist.get_backend() == "gloo":
+        _pairs = {}
+        pairs = sorted({
+            tuple(sorted((ranks[i], ranks[(i + 1) % len(ranks)])))
+            for ranks in grid.pipe_groups
+            for i in range(len(ranks))
+        })
+        for pair in pairs:
+            group = groups.group_of_ranks([pair], own=True)
+            if group is not None:
+                _pairs[pair] = group
     return _group
 
 
@@ -75,7 +91,7 @@ def send(tensor, dest_stage, async_op=False):
     if async_op:
         raise AssertionError("Doesn't support async_op true")
     _is_valid_send_recv(_grid.get_stage_id(), dest_stage)
-    _wait_all(dist.batch_isend_irecv([("send", tensor, _grid.stage_to_global(stage_id=dest_stage))], group=_group))
+    _wait_all(post([("send", tensor, _grid.stage_to_global(stage_id=dest_stage))], _group))
 
 
 def recv(tensor, src_stage, async_op=False):
@@ -83,7 +99,7 @@ def recv(tensor, src_stage, async_op=False):
     if async_op:
         raise AssertionError("Doesn't support async_op true")
     _is_valid_send_recv(src_stage, _grid.get_stage_id())
-    _wait_all(dist.batch_isend_irecv([("recv", tensor, _grid.stage_to_global(stage_id=src_stage))], group=_group))
+    _wait_all(post([("recv", tensor, _grid.stage_to_global(stage_id=src_stage))], _group))
 
 
 def wait():
@@ -126,6 +142,22 @@ def recv_obj(sender):
         return x
 
     return _to(msg)
+
+
+def post(ops, group):
+    """Start the transfers ``ops`` (``[(kind, tensor, peer global rank)]``, kind ``"send"``/``"recv"``); returns
+    their work handles (see the module docstring for how, per backend)."""
+    if _pairs is None:
+        return dist.batch_isend_irecv(ops, group=group)
+    me = dist.get_rank()
+    works = []
+    order = sorted(range(len(ops)),
+                   key=lambda i: (min(me, ops[i][2]), max(me, ops[i][2]), me if ops[i][0] == "send" else ops[i][2], i))
+    for i in order:
+        kind, tensor, peer = ops[i]
+        group = _pairs[(min(me, peer), max(me, peer))]
+        works.append(dist.broadcast(tensor, me if kind == "send" else peer, group=group, async_op=True))
+    return works
 
 
 def _wait_all(works):
@@ -245,7 +277,7 @@ class Exchange:
                 r.wire = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
                 ops.append(("recv", r.wire, r.src))
         if ops:
-            _wait_all(dist.batch_isend_irecv(ops, group=self.group))
+            _wait_all(post(ops, self.group))
         for r in self.recvs:
             if r.specs is None:
                 r.header = r.wire.cpu().tolist()
@@ -259,7 +291,7 @@ class Exchange:
             r.tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in r.specs]
             ops += [("recv", t.view(torch.uint8) if t.dtype == torch.bool else t, r.src) for t in r.tensors]
         if ops:
-            _wait_all(dist.batch_isend_irecv(ops, group=self.group))
+            _wait_all(post(ops, self.group))
         recvs, self.sends, self.recvs = self.recvs, [], []
         for r in recvs:
             if r.then is not None:
