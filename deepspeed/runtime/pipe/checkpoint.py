@@ -130,12 +130,23 @@ def _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_par
         writer.save(clone_tensors_for_torch_save(state), os.path.join(directory, name))
 
 
+def _tied_layers(module):
+    """``{tie key: [indices of the layers that hold its module as themselves]}`` (those that have a layer file)."""
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
+    out = {}
+    for index, spec in enumerate(module._layer_specs):
+        if isinstance(spec, TiedLayerSpec) and spec.forward_fn is None:
+            out.setdefault(spec.key, []).append(index)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- loading
 class _SavedStages:
     """The model-states files of a saved pipeline tag, and each saved stage's optimizer state by name."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, universal=False):
         self.directory = directory
+        self.universal = universal
         self.files = sorted(glob.glob(os.path.join(directory, f"{C.MODEL_FILE_PREFIX}*{C.MODEL_FILE_SUFFIX}")))
         if not self.files:
             raise CheckpointError(
@@ -172,6 +183,13 @@ class _SavedStages:
         """``(FullState, scaler payload)`` of saved stage ``stage``."""
         states = self.states(stage)
         path = os.path.join(self.directory, model_states_name(stage))
+        if self.universal:  # one folder per parameter: read this rank's own by name
+            from deepspeed.checkpoint.universal_checkpoint import UniversalCheckpoint
+            shapes = {k: v for k, v in states.items() if k != C.PARAM_SHAPES}
+            reader = UniversalCheckpoint(self.directory, shapes, path)
+            names = [n for n in (self.names(stage) or []) if n in set(own_names)]
+            full, _, scaler = reader.full_state(with_state, names)
+            return full, scaler
         if self.upstream:
             return self._upstream(stage, states, path, with_state, layer_values, own_names, same_cut)
         meta = states[META_KEY]
@@ -331,13 +349,14 @@ def load(engine,
     name_of = model_state.param_names(module)
     own_names = [name_of[p] for group in stage.param_groups() for p in group] if stage.has_optimizer else []
     plan = dict(tag=None, reason=None)
+    universal = bool(getattr(engine._config, "load_universal_checkpoint", False))
     error = None
     try:
         load_dir = check_dir(load_dir, "load_checkpoint")
-        plan["tag"], plan["reason"] = resolve_tag(load_dir, tag)
+        plan["tag"], plan["reason"] = resolve_tag(load_dir, tag, latest=C.LATEST_UNIVERSAL_FILE if universal else None)
         if plan["tag"] is not None:
             directory = paths.tag_dir(load_dir, plan["tag"])
-            saved = _SavedStages(directory)
+            saved = _SavedStages(directory, universal)
             values = _layer_values(module, directory)
             _check_layers(module, values, load_module_strict, directory)
             plan.update(saved=saved, values=values, directory=directory)
@@ -440,3 +459,52 @@ def _prepare_optimizer(engine, stage, saved, values, own_names, name_of, load_op
 
         return apply_deferred, scaler or {}, deferred
     return apply, scaler or {}, deferred
+
+
+# ---------------------------------------------------------------------------------------------------- universal
+def to_universal(input_folder, output_folder, inject_info=None):
+    """Write the universal folder of the pipeline checkpoint tag ``input_folder`` (``ds_to_universal``): every
+    trainable parameter's fp32 value and optimizer state by name, merged over the saved stages, with the layer
+    and model-states files beside them. A PipelineEngine of any cut loads it with ``checkpoint.load_universal``."""
+    import shutil
+    from deepspeed.checkpoint.ds_to_universal import _optimizer_state
+    from deepspeed.checkpoint.universal_checkpoint import write_universal
+    saved = _SavedStages(input_folder)
+    if saved.upstream and any(saved.names(j) is None for j in range(saved.stages)):
+        raise NotImplementedError(f"{input_folder}: an upstream ZeRO-0 pipeline checkpoint names none of its "
+                                  f"parameters in its optimizer state (upstream's converter refuses it too)")
+    values = _named_layer_values(saved, input_folder)
+    sources, scaler = [], None
+    for j in range(saved.stages):
+        names = saved.names(j) or []
+        full, payload = saved.full_state(j, True, values, names, True)
+        sources.append(full)
+        scaler = payload if scaler is None else scaler
+    merged = _merge(sources)
+    if saved.upstream:
+        from deepspeed.checkpoint.upstream_format import scaler_state
+        scaler = scaler_state(scaler, False,
+                              2) if "loss_scaler" in scaler and not isinstance(scaler.get("loss_scaler"),
+                                                                               (dict, type(None))) else scaler
+    os.makedirs(output_folder, exist_ok=True)
+    zero = saved.stage_of_zero(0)
+    write_universal(output_folder, merged, {},
+                    _optimizer_state(scaler, zero, int(saved.first.get("dp_world_size") or 1)), saved.files,
+                    inject_info)
+    for path in sorted(glob.glob(os.path.join(input_folder, f"{C.LAYER_FILE_PREFIX}*"))):
+        shutil.copy2(path, os.path.join(output_folder, os.path.basename(path)))
+
+
+def _named_layer_values(saved, directory):
+    """``{parameter name: value}`` from the layer files, by the names the saved stages use (``3.weight``; a tie's
+    ``tied_modules.<key>.<attr>`` from the first layer file holding its module)."""
+    tied = (saved.first.get(META_KEY) or {}).get(PIPELINE_KEY, {}).get("tied_layers", {})
+    values = {}
+    for path in sorted(glob.glob(os.path.join(directory, f"{C.LAYER_FILE_PREFIX}*"))):
+        index = int(os.path.basename(path)[len(C.LAYER_FILE_PREFIX):].split("-")[0])
+        state = load_file(path, f"the state of layer {index}")
+        keys = [f"tied_modules.{key}." for key, layers in tied.items() if layers and layers[0] == index]
+        for prefix in keys or [f"{index}."]:
+            for attr, value in state.items():
+                values.setdefault(prefix + attr, value)
+    return values

@@ -4,7 +4,7 @@
 Command (from a directory that is not a checkout of this repository, so that upstream's ``deepspeed`` is imported)::
 
     cd /tmp && DS_ACCELERATOR=cpu /work/venvs/upstream-pipe/bin/python \\
-        <repo>/tests/unit/checkpoint/upstream/write_pipe_fixtures.py [--out <repo>/tests/unit/checkpoint/upstream/fixtures]
+        <repo>/tests/unit/checkpoint/upstream/write_pipe_fixtures.py [--out <repo>/tests/unit/checkpoint/upstream/fixtures_pipe]
 
 Two gloo processes on the CPU run upstream's ``PipelineEngine`` over the model of :func:`layers` (an embedding
 tied with the output head across the two stages) with Adam (``torch_adam``, weight decay 0.01), clipping 1.0 (none on ZeRO-0, see ``ds_config``) and
@@ -130,7 +130,7 @@ def worker(rank, world, out_dir, names, port):
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join(here, "fixtures"))
+    parser.add_argument("--out", default=os.path.join(here, "fixtures_pipe"))
     parser.add_argument("--port", type=int, default=29631)
     args = parser.parse_args()
     import deepspeed

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Pipeline checkpoints in upstream's layout: saved at 2 stages x 2 data-parallel ranks (ZeRO-1, Adam, a weight tied
-across the stages), loaded at 4 stages (ZeRO-2) and at 1 stage x 4 (ZeRO-0) with the same parameters, the same
-next loss and the same step after it; upstream DeepSpeed 0.19.8's own pipeline checkpoints load here and continue as
+across the stages), loaded at 4 stages (ZeRO-2), at 1 stage x 4 (ZeRO-0) and, through ``ds_to_universal``, at 4
+stages (ZeRO-1) with the same parameters, the same next loss and the same step after it; upstream DeepSpeed 0.19.8's own pipeline checkpoints load here and continue as
 upstream did (``tests/unit/checkpoint/upstream/write_pipe_fixtures.py``)."""
 
 import os
@@ -13,7 +13,7 @@ import torch
 from tests.unit.common import run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = os.path.join(HERE, "..", "..", "checkpoint", "upstream", "fixtures")
+FIXTURES = os.path.join(HERE, "..", "..", "checkpoint", "upstream", "fixtures_pipe")
 
 
 def _fixture_model():
@@ -51,20 +51,21 @@ def _max_diff(a, b):
     return max(float((a[i][k] - b[i][k]).abs().max()) for i in a for k in a[i])
 
 
-def _engine(fixture, stages, gas, zero, dtype="fp32"):
+def _engine(fixture, stages, gas, zero, dtype="fp32", **extra):
     import deepspeed
     from deepspeed.pipe import PipelineModule
     model = PipelineModule(fixture.layers(), num_stages=stages, loss_fn=fixture.loss_fn, partition_method="uniform")
     cfg = fixture.ds_config(f"pp2-z{zero}-{dtype}")
     cfg["gradient_accumulation_steps"] = gas
+    cfg.update(extra)
     return deepspeed.initialize(model=model, config=cfg)[0]
 
 
 def _global_batch(fixture, step, micro_batches):
     gen = torch.Generator().manual_seed(7 + step)
     shape = (fixture.MICRO, fixture.SEQ)
-    return [(torch.randint(0, fixture.VOCAB, shape, generator=gen), torch.randint(0, fixture.VOCAB, shape,
-                                                                                  generator=gen))
+    return [(torch.randint(0, fixture.VOCAB, shape,
+                           generator=gen), torch.randint(0, fixture.VOCAB, shape, generator=gen))
             for _ in range(micro_batches)]
 
 
@@ -85,10 +86,17 @@ def _reshard(tmp):
     expected_after = _layer_params(engine)
     files = sorted(os.listdir(os.path.join(tmp, "s")))
     engine.destroy()
+    import deepspeed.comm as dist
+    if dist.get_rank() == 0:  # ds_to_universal of the pipeline checkpoint
+        from deepspeed.checkpoint.ds_to_universal import convert
+        convert(os.path.join(tmp, "s"), os.path.join(tmp, "s_universal"))
+    dist.barrier()
     out = {"files": files}
-    for name, stages, gas, zero in [("pp4-z2", 4, 4, 2), ("pp1xdp4-z0", 1, 1, 0)]:
-        engine = _engine(fixture, stages=stages, gas=gas, zero=zero)
-        path, client = engine.load_checkpoint(tmp, tag="s")
+    universal = {"checkpoint": {"load_universal": True}}
+    for name, stages, gas, zero, tag, extra in [("pp4-z2", 4, 4, 2, "s", {}), ("pp1xdp4-z0", 1, 1, 0, "s", {}),
+                                                ("universal-pp4-z1", 4, 4, 1, "s_universal", universal)]:
+        engine = _engine(fixture, stages=stages, gas=gas, zero=zero, **extra)
+        path, client = engine.load_checkpoint(tmp, tag=tag)
         loaded = _max_diff(_layer_params(engine), saved)
         loss = float(engine.train_batch(_mine(engine, nxt)))
         after = _max_diff(_layer_params(engine), expected_after)
@@ -105,7 +113,7 @@ def test_saved_at_two_stages_loads_at_one_and_four(tmp_path):
     assert "mp_rank_00_model_states.pt" in files and "mp_rank_01_model_states.pt" in files
     assert {f"zero_pp_rank_{r}_mp_rank_0{s}_optim_states.pt" for r in (0, 1) for s in (0, 1)} <= set(files)
     for result in results:
-        for name in ("pp4-z2", "pp1xdp4-z0"):
+        for name in ("pp4-z2", "pp1xdp4-z0", "universal-pp4-z1"):
             loaded, loss, after, epoch, steps = result[name]
             assert loaded == 0.0 and loss < 1e-6 and after < 1e-6, (name, result[name])
             assert epoch == 5 and steps == 3
