@@ -52,8 +52,16 @@ def _staged(name, stage):
 
 
 # ---------------------------------------------------------------------------------------------------- saving
+def _check_stage(engine, what):
+    if engine.zero_optimization_stage() == 3:
+        raise NotImplementedError(f"{what} of a pipeline engine with ZeRO stage 3 is not supported (the layer files "
+                                  f"would need each layer's gathered parameters); use ZeRO 0-2 with pipeline "
+                                  f"parallelism to checkpoint, see docs/pipeline.md")
+
+
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
     """Collective on every rank of every stage; returns True (see the module docstring)."""
+    _check_stage(engine, "save_checkpoint")
     rank = engine.global_rank
     error = None
     try:
@@ -341,6 +349,7 @@ def load(engine,
          load_module_only=False,
          custom_load_fn=None):
     """Collective on every rank; ``(path of the model-states file read, client state)`` or ``(None, None)``."""
+    _check_stage(engine, "load_checkpoint")
     if custom_load_fn is not None:
         raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported with pipeline parallelism "
                                   "(upstream refuses it too): the layers load from their own files")

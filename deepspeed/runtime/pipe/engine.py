@@ -891,10 +891,6 @@ def _check_config(cfg, model, kwargs):
     if grid.model_parallel_size > 1:
         raise NotImplementedError("pipeline parallelism with a 'model' (tensor-parallel) axis is not supported for "
                                   "training yet; see docs/compatibility.md")
-    if cfg.zero_optimization_stage == 3:
-        raise NotImplementedError("ZeRO stage 3 with pipeline parallelism is not supported: use ZeRO stage 0, 1 or 2 "
-                                  "(stage 2 partitions gradients and optimizer state within each stage); see "
-                                  "docs/pipeline.md")
     if getattr(cfg, "eigenvalue_enabled", False):
         raise NotImplementedError("the eigenvalue monitor is not supported with pipeline parallelism")
     if not cfg.managed_gradient_accumulation:

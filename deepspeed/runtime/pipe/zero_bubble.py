@@ -58,6 +58,10 @@ class ZeroBubbleH1Schedule(TimetableSchedule):
     def check_support(module, config, chunks):
         from deepspeed.runtime.pipe import split_backward
         split_backward.check_available()
+        if config.zero_optimization_stage == 3:
+            raise NotImplementedError("pipeline.schedule 'zero_bubble' with ZeRO stage 3 is not supported: a weight "
+                                      "pass runs after its layers' parameters were released; use ZeRO 0-2, or '1f1b' "
+                                      "/ 'interleaved_1f1b' with ZeRO-3")
         if module.activation_checkpoint_interval > 0 or config.pipeline["activation_checkpoint_interval"] > 0:
             raise NotImplementedError(
                 "pipeline.schedule 'zero_bubble' with activation checkpointing is not supported: "

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Pipeline checkpoints in upstream's layout: saved at 2 stages x 2 data-parallel ranks (ZeRO-1, Adam, a weight tied
 across the stages), loaded at 4 stages (ZeRO-2), at 1 stage x 4 (ZeRO-0) and, through ``ds_to_universal``, at 4
-stages (ZeRO-1) with the same parameters, the same next loss and the same step after it; upstream DeepSpeed 0.19.8's own pipeline checkpoints load here and continue as
-upstream did (``tests/unit/checkpoint/upstream/write_pipe_fixtures.py``)."""
+stages (ZeRO-1) with the same parameters, the same next loss and the same step after it; upstream DeepSpeed
+0.19.8's own pipeline checkpoints load here and continue as upstream did
+(``tests/unit/checkpoint/upstream/write_pipe_fixtures.py``)."""
 
 import os
 import shutil

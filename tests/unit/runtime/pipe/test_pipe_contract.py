@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The gradient contract under pipeline parallelism: every stage's parameters after each step equal plain torch's
 trained on the whole batch (every micro-batch of every data-parallel replica), for stages 1-4, GAS 1-8, uneven
-cuts, pipe x data parallelism, ZeRO 0-2, fp32/bf16/fp16, tied weights, checkpointed layers and every schedule.
+cuts, pipe x data parallelism, ZeRO 0-3, fp32/bf16/fp16, tied weights, checkpointed layers and every schedule.
 See ``pipe_cases.py`` for the cases and the reference."""
 
 import pytest
@@ -42,6 +42,10 @@ CASES = {
     dict(world=3, stages=3, gas=4, zero=2, widths=W, schedule="zero_bubble", clip=0.05),
     "pp2-zero-bubble-fp16-tied":
     dict(world=2, stages=2, gas=3, zero=0, widths=[6, 6], tied=True, dtype="fp16", schedule="zero_bubble"),
+    "pp2xdp2-z3-tied-adam-clip":
+    dict(world=4, stages=2, gas=4, zero=3, widths=[6, 8, 6], tied=True, clip=0.05, optimizer="adam"),
+    "pp2xdp2-interleaved-z3-ckpt-bf16":
+    dict(world=4, stages=2, gas=2, zero=3, widths=W, schedule="interleaved_1f1b", ckpt="reentrant", dtype="bf16"),
     "pp3-empty-stage-z2":
     dict(world=3, stages=3, gas=2, zero=2, widths=[4, 8, 3], partition=[0, 1, 2, 3]),
     "random-11":

@@ -55,7 +55,9 @@ def _bad_inputs():
     attempt("fewer-layers", lambda: PipelineModule(_layers()[:1], num_stages=2, loss_fn=loss))
     model = PipelineModule(_layers(), num_stages=2, loss_fn=loss, partition_method="uniform")
     attempt("batch-identity", lambda: deepspeed.initialize(model=model, config=_cfg(train_batch_size=6)))
-    attempt("zero3", lambda: deepspeed.initialize(model=model, config=_cfg(zero_optimization={"stage": 3})))
+    attempt(
+        "zero3-zero-bubble", lambda: deepspeed.initialize(
+            model=model, config=_cfg(zero_optimization={"stage": 3}, pipeline={"schedule": "zero_bubble"})))
     attempt(
         "interleaved-gas", lambda: deepspeed.initialize(
             model=model, config=_cfg(gradient_accumulation_steps=3, pipeline={"schedule": "interleaved_1f1b"})))
@@ -83,7 +85,7 @@ def test_bad_input_raises_on_every_rank_and_training_goes_on():
         "stages-not-dividing": "must divide distributed world size",
         "fewer-layers": "cannot be cut into 2 pipeline stages",
         "batch-identity": "train_batch_size",
-        "zero3": "ZeRO stage 3",
+        "zero3-zero-bubble": "ZeRO stage 3",
         "interleaved-gas": "multiple of 2",
         "unknown-key": "pipeline.stagez",
         "forward": "Only train_batch() is accessible",
