@@ -5,8 +5,9 @@
 raise ``NotImplementedError`` naming the key) and one that does not (it builds). ``NO_EFFECT`` lists keys that only
 tune speed or memory, or that upstream ignores alone: they build with one warning naming the key. Keys this
 runtime honours since the audit (``dataloader_drop_last``, ``data_types.param_dtype``, upstream's spelling of
-``seq_parallel_communication_data_type``, the ``pipeline`` section) have their own tests. On 2 ranks, ``deepspeed.initialize`` with a
-tensor-parallel config raises on both ranks before any collective (the group issued none and stays usable).
+``seq_parallel_communication_data_type``, the ``pipeline`` section) have their own tests. On 2 ranks,
+``deepspeed.initialize`` with a tensor-parallel config raises on both ranks before any collective (the group issued
+none and stays usable).
 """
 
 import logging

@@ -3,14 +3,16 @@
 
 Command (from a directory that is not a checkout of this repository, so that upstream's ``deepspeed`` is imported)::
 
-    cd /tmp && DS_ACCELERATOR=cpu /work/venvs/upstream-pipe/bin/python \\
-        <repo>/tests/unit/checkpoint/upstream/write_pipe_fixtures.py [--out <repo>/tests/unit/checkpoint/upstream/fixtures_pipe]
+    cd /tmp && DS_ACCELERATOR=cpu <venv with upstream 0.19.8>/bin/python \\
+        <repo>/tests/unit/checkpoint/upstream/write_pipe_fixtures.py \\
+        [--out <repo>/tests/unit/checkpoint/upstream/fixtures_pipe]
 
 Two gloo processes on the CPU run upstream's ``PipelineEngine`` over the model of :func:`layers` (an embedding
-tied with the output head across the two stages) with Adam (``torch_adam``, weight decay 0.01), clipping 1.0 (none on ZeRO-0, see ``ds_config``) and
-2 micro-batches per batch, for 2 batches, then ``save_checkpoint(<out>/<cell>, tag="t2")``. ``trajectory.pt``
-records what upstream continues with: every layer's parameters at the save and after one more batch, and that
-batch's loss. Cells: ZeRO stage 0 and 1, fp32 and bf16 (``pp2-z0-fp32``, ``pp2-z1-fp32``, ``pp2-z1-bf16``).
+tied with the output head across the two stages) with Adam (``torch_adam``, weight decay 0.01), clipping 1.0
+(none on ZeRO-0, see ``ds_config``) and 2 micro-batches per batch, for 2 batches, then
+``save_checkpoint(<out>/<cell>, tag="t2")``. ``trajectory.pt`` records what upstream continues with: every
+layer's parameters at the save and after one more batch, and that batch's loss. Cells: ZeRO stage 0 and 1, fp32
+and bf16 (``pp2-z0-fp32``, ``pp2-z1-fp32``, ``pp2-z1-bf16``).
 """
 
 import argparse
@@ -58,8 +60,7 @@ def loss_fn(logits, labels):
 def batches(step, dp_rank=0):
     gen = torch.Generator().manual_seed(100 * step + dp_rank)
     return [(torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen), torch.randint(0, VOCAB, (MICRO, SEQ),
-                                                                                 generator=gen))
-            for _ in range(GAS)]
+                                                                                 generator=gen)) for _ in range(GAS)]
 
 
 def ds_config(cell):
@@ -71,8 +72,17 @@ def ds_config(cell):
         # parameter on model-parallel rank 0, which the pipeline grid makes stage 0): no clipping there
         "gradient_clipping": 0.0 if zero == "z0" else 1.0,
         "steps_per_print": 10**6,
-        "optimizer": {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01, "torch_adam": True}},
-        "zero_optimization": {"stage": int(zero[1:])},
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": 0.01,
+                "weight_decay": 0.01,
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": int(zero[1:])
+        },
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -106,7 +116,12 @@ def run_cell(cell, out_dir, rank, world):
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, record)
     if rank == 0:
-        merged = {"at_save": {}, "after": {}, "next_loss": gathered[0]["next_loss"], "ds_version": deepspeed.__version__}
+        merged = {
+            "at_save": {},
+            "after": {},
+            "next_loss": gathered[0]["next_loss"],
+            "ds_version": deepspeed.__version__
+        }
         for rec in gathered:
             merged["at_save"].update(rec["at_save"])
             merged["after"].update(rec["after"])
@@ -118,8 +133,12 @@ def run_cell(cell, out_dir, rank, world):
 
 
 def worker(rank, world, out_dir, names, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port),
+                      RANK=str(rank),
+                      WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")

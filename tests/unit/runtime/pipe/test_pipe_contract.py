@@ -2,7 +2,10 @@
 """The gradient contract under pipeline parallelism: every stage's parameters after each step equal plain torch's
 trained on the whole batch (every micro-batch of every data-parallel replica), for stages 1-4, GAS 1-8, uneven
 cuts, pipe x data parallelism, ZeRO 0-3, fp32/bf16/fp16, tied weights, checkpointed layers and every schedule.
-See ``pipe_cases.py`` for the cases and the reference."""
+See ``pipe_cases.py`` for the cases and the reference. The default run holds every property once, with two
+seeded random cases; ``DS_FULL_MATRIX=1`` adds a sweep of random widths, cuts, GAS, ZeRO stages and optimizers."""
+
+import os
 
 import pytest
 
@@ -53,6 +56,8 @@ CASES = {
     "random-23":
     random_case(23),
 }
+if os.environ.get("DS_FULL_MATRIX") == "1":
+    CASES.update({f"random-{seed}": random_case(seed) for seed in range(100, 124)})
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
