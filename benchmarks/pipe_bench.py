@@ -314,8 +314,8 @@ def main():
     print(f"IMPORTED deepspeed {deepspeed.__version__} {deepspeed.__file__}", flush=True)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if world > 1 or args.device == "cpu":  # a PipelineModule cuts its stages over the initialized world
-        deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    # a PipelineModule cuts its stages over the initialized world (one rank too: upstream's needs a group)
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     cfg = gpt.GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, vocab=args.vocab, seq=args.seq)
     data = make_data(args, args.warmup + args.steps)
     failed = False
