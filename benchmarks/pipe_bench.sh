@@ -10,7 +10,7 @@
 #   engine and pipeline; two workloads (launch-bound small layers; a 0.24B decoder at seq 1024).
 # MODE multi (every GPU of the host, NGPU of them): pp 2 and 4 (those that divide NGPU; the rest of the GPUs are
 #   data parallel), GAS 8 and 16: this package's 1F1B, interleaved 1F1B and ZB-H1, and upstream's 1F1B with
-#   UPSTREAM; one torchrun launch per system (at most 300 s each).
+#   UPSTREAM; one torchrun launch per system (at most 300 s each, all within PIPE_BENCH_BUDGET=580 seconds).
 #
 # UPSTREAM holds the wheels ../shared/tools/upstream-wheels.sh builds (upstream deepspeed without ops and its
 # pure-Python dependencies); without it only this package's systems run. Every process prints which deepspeed it
@@ -23,6 +23,7 @@ UP=${2:-.whl-upstream}
 MODE=${3:-one}
 DEVICE=${PIPE_BENCH_DEVICE:-cuda}
 BUDGET=${PIPE_BENCH_BUDGET:-145}
+[ "$MODE" = multi ] && BUDGET=${PIPE_BENCH_BUDGET:-580}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -49,7 +50,7 @@ run() {
     local cap=$1 path=$2
     shift 2
     local left=$((BUDGET - SECONDS - 5))
-    [ "$MODE" = one ] && [ "$left" -lt "$cap" ] && cap=$left
+    [ "$left" -lt "$cap" ] && cap=$left
     if [ "$cap" -le 5 ]; then
         echo "skipped (budget spent): $*" | tee -a "$OUT/log.txt"
         return
