@@ -14,7 +14,7 @@ from deepspeed.runtime import zero  # noqa: F401
 from deepspeed.runtime.activation_checkpointing import checkpointing  # noqa: F401
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: F401
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: F401
-from deepspeed.pipe import PipelineModule  # noqa: F401  (importable; constructing it raises)
+from deepspeed.pipe import PipelineModule  # noqa: F401
 from deepspeed.utils import OnDevice, log_dist, logger  # noqa: F401
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer  # noqa: F401
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader  # noqa: F401
@@ -75,6 +75,10 @@ def initialize(args=None,
         raise ValueError("deepspeed.initialize: no config given (pass config=dict/path, or args.deepspeed_config)")
     if not comm.is_initialized():
         comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    if isinstance(model, PipelineModule):  # pipeline parallelism: a PipelineEngine (docs/pipeline.md)
+        from deepspeed.runtime.pipe.engine import initialize_pipeline
+        return initialize_pipeline(args, model, optimizer, model_parameters, training_data, lr_scheduler, mpu,
+                                   dist_init_required, collate_fn, config)
     engine = DeepSpeedEngine(args=args,
                              model=model,
                              optimizer=optimizer,

@@ -63,6 +63,11 @@ def convert(input_folder, output_folder, inject_missing_state=False):
     from deepspeed.checkpoint.universal_checkpoint import write_universal
     from deepspeed.runtime.checkpoint.saved import SavedCheckpoint
     input_folder = os.path.abspath(input_folder)
+    if glob.glob(os.path.join(input_folder, C.LAYER_FILE_PREFIX + "*")):  # a pipeline checkpoint (layer files)
+        from deepspeed.runtime.pipe.checkpoint import to_universal
+        inject = {C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE} if inject_missing_state \
+            else None
+        return to_universal(input_folder, output_folder, inject)
     root, tag = os.path.dirname(input_folder), os.path.basename(input_folder)
     saved = SavedCheckpoint(root, tag, 0)
     ckpt = saved.checkpoint

@@ -8,6 +8,7 @@ from .comm import (DEFAULT_PG_TIMEOUT, all_gather, all_gather_into_tensor, all_g
                    get_world_size, has_all_gather_into_tensor, has_reduce_scatter_tensor, inference_all_reduce,
                    init_distributed, irecv, is_available, is_initialized, isend, log_summary, monitored_barrier,
                    new_group, recv, reduce, reduce_scatter, reduce_scatter_fn, reduce_scatter_tensor, scatter, send)
+from .comm import batch_isend_irecv  # noqa: F401  (point-to-point batches: pipeline transfers)
 from .peer_failure import PeerFailureError, failure_guard, set_failure_timeout
 from .reduce_op import ReduceOp
 
@@ -20,4 +21,5 @@ __all__ = [
     'init_distributed', 'irecv', 'is_available', 'is_initialized', 'isend', 'log_summary', 'monitored_barrier',
     'new_group', 'recv', 'reduce', 'reduce_scatter', 'reduce_scatter_fn', 'reduce_scatter_tensor', 'scatter', 'send'
 ]
+__all__ += ['batch_isend_irecv']
 __all__ += ['PeerFailureError', 'failure_guard', 'set_failure_timeout']  # docs/faults.md

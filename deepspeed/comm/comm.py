@@ -363,6 +363,20 @@ def irecv(tensor, src=None, group=None, tag=0):
     return dist.irecv(tensor, src=src, group=group, tag=tag)
 
 
+def batch_isend_irecv(ops, group=None):
+    """Post point-to-point sends and receives together; returns their work handles (wait on each).
+
+    ``ops``: ``[(kind, tensor, peer)]`` with ``kind`` ``"send"`` or ``"recv"`` and ``peer`` a global rank. On
+    NCCL they form one group, so two ranks may send to each other in one batch without deadlock; with gloo
+    the waits are watched like every collective's (a peer that failed makes them raise, docs/faults.md).
+    """
+    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group) for kind, tensor, peer in ops]
+    works = dist.batch_isend_irecv(p2p) if p2p else []
+    if peer_failure.watching():
+        works = [peer_failure.WatchedWork(work, group) for work in works]
+    return works
+
+
 def broadcast_object_list(object_list, src, group=None, device=None):
     return dist.broadcast_object_list(object_list, src, group=group, device=device)
 

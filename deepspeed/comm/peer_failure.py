@@ -593,7 +593,7 @@ def _wait_watched(work, seq):
             work.wait(step)
             return
         except RuntimeError as exc:
-            if "timed out" not in str(exc):
+            if "timed out" not in str(exc).lower():  # gloo's point-to-point waits say "Timed out waiting"
                 raise
             _check_while_blocked(seq, exc)
 

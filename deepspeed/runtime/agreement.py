@@ -26,13 +26,14 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigError
 CHUNK = 256  # entries per chunk digest when locating the first differing parameter
 
 
-def check_ranks_agree(config, model, has_optimizer, device):
+def check_ranks_agree(config, model, has_optimizer, device, model_key=0):
     """Raise on every rank if the ranks' configs or models differ (a collective: every rank calls it).
 
     ``config`` is this rank's :class:`DeepSpeedConfig`, ``model`` the module given to ``initialize``,
     ``has_optimizer`` whether an optimizer (client or config) was given, ``device`` where the
-    exchange's tensors live (the engine's device). Raises ``DeepSpeedConfigError`` for a config field,
-    ``ValueError`` for the model.
+    exchange's tensors live (the engine's device). Models are compared among the ranks with the same
+    ``model_key`` (a pipeline stage: each stage holds its own layers). Raises ``DeepSpeedConfigError``
+    for a config field, ``ValueError`` for the model.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
@@ -43,15 +44,17 @@ def check_ranks_agree(config, model, has_optimizer, device):
     mine["model buffers"] = _digest(buffers)
     fields = list(mine)
     # Only the values travel: every rank builds the fields in the same order.
-    everyone = _all_gather_json(list(mine.values()), device)
+    everyone = _all_gather_json([model_key] + list(mine.values()), device)
+    keys = [rank_values[0] for rank_values in everyone]
     for index, field in enumerate(fields):
-        values = [rank_values[index] for rank_values in everyone]
+        values = [rank_values[index + 1] for rank_values in everyone]
+        if field in ("model parameters", "model buffers"):
+            if all(values[r] == values[keys.index(keys[r])] for r in range(len(values))):
+                continue
+            kind, entries = ("parameter", params) if field == "model parameters" else ("buffer", buffers)
+            raise ValueError(_describe_entries(kind, entries, device, keys))
         if all(value == values[0] for value in values):
             continue
-        if field == "model parameters":
-            raise ValueError(_describe_entries("parameter", params, device))
-        if field == "model buffers":
-            raise ValueError(_describe_entries("buffer", buffers, device))
         raise DeepSpeedConfigError(f"deepspeed.initialize: the ranks disagree on {field}: {_by_rank(values)}. Every "
                                    f"rank must use the same config and the same model; stopping before the first "
                                    f"collective, which would hang or abort.")
@@ -124,10 +127,19 @@ def _all_gather_json(obj, device):
     return [json.loads(bytes(rows[r, :lengths[r]].tolist()).decode()) for r in range(world)]
 
 
-def _describe_entries(kind, entries, device):
-    """Find the first entry whose value differs across ranks (two exchanges of bounded size); describe it."""
+def _describe_entries(kind, entries, device, keys=None):
+    """Find the first entry whose value differs across ranks of one model key (two exchanges of bounded size);
+    describe it."""
     chunks = [_digest(entries[i:i + CHUNK])[1] for i in range(0, len(entries), CHUNK)]
     everyone = _all_gather_json({"count": len(entries), "chunks": chunks}, device)
+    members = list(range(len(everyone)))
+    if keys is not None:  # the first model key whose ranks disagree (every rank finds the same one)
+        for key in dict.fromkeys(keys):
+            group = [r for r, k in enumerate(keys) if k == key]
+            if any(everyone[r] != everyone[group[0]] for r in group):
+                members = group
+                break
+    everyone = [everyone[r] for r in members]
     counts = [rank["count"] for rank in everyone]
     common = min(len(rank["chunks"]) for rank in everyone)
     # The first chunk whose digests differ; if every common chunk agrees, the lists differ in length and the
@@ -135,13 +147,16 @@ def _describe_entries(kind, entries, device):
     first = next((c for c in range(common) if len({rank["chunks"][c] for rank in everyone}) > 1), common)
     start = first * CHUNK
     window = _all_gather_json(entries[start:start + CHUNK], device)
+    window = [window[r] for r in members]
     for offset in range(CHUNK):
         values = [_entry_text(kind, rank_entries, offset) for rank_entries in window]
         if len(set(values)) > 1:
             return (f"deepspeed.initialize: the ranks' models differ at {kind} #{start + offset}: "
-                    f"{_by_rank(values)} (number of {kind}s: {_by_rank(counts)}). Every rank must build the same "
-                    f"model; stopping before the first collective, which would abort on mismatched sizes.")
-    return f"deepspeed.initialize: the ranks' models differ in their {kind}s (number of {kind}s: {_by_rank(counts)})"
+                    f"{_by_rank(values, members)} (number of {kind}s: {_by_rank(counts, members)}). Every rank "
+                    f"must build the same model; stopping before the first collective, which would abort on "
+                    f"mismatched sizes.")
+    return (f"deepspeed.initialize: the ranks' models differ in their {kind}s (number of {kind}s: "
+            f"{_by_rank(counts, members)})")
 
 
 def _entry_text(kind, entries, offset):
@@ -154,10 +169,12 @@ def _entry_text(kind, entries, offset):
     return text
 
 
-def _by_rank(values):
-    """``"1 on rank 0, 2 on ranks [1, 3]"``: each distinct value with the ranks that hold it."""
+def _by_rank(values, ranks=None):
+    """``"1 on rank 0, 2 on ranks [1, 3]"``: each distinct value with the ranks that hold it (``values[i]`` is
+    rank ``ranks[i]``'s, default ``i``)."""
     groups = {}
-    for rank, value in enumerate(values):
+    for i, value in enumerate(values):
+        rank = ranks[i] if ranks is not None else i
         groups.setdefault(value if isinstance(value, str) else repr(value), []).append(rank)
     return ", ".join(f"{value} on " + (f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}")
                      for value, ranks in groups.items())

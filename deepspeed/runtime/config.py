@@ -392,6 +392,8 @@ class DeepSpeedConfig:
         self.checkpoint_save_format = checkpoint.save_format
         self.use_node_local_storage = checkpoint.use_node_local_storage
         self.checkpoint_parallel_write_pipeline = checkpoint.parallel_write.pipeline_stage
+        from deepspeed.runtime.pipe.config import get_pipeline_config  # the "pipeline" section (docs/pipeline.md)
+        self.pipeline = get_pipeline_config(param_dict)
         self.aio_config = ConfigDict(_AioSection.from_dict(param_dict.get(AIO), AIO).to_dict())
 
         data_types = _DataTypesSection.from_dict(param_dict.get(DATA_TYPES), DATA_TYPES)

@@ -4,7 +4,7 @@
 Every key or section upstream DeepSpeed acts on is either honoured here or listed below, so that a config never
 asks for something the run silently does without:
 
-* :data:`NOT_BUILT`: the feature changes what training computes (tensor or pipeline parallelism, NVMe offload,
+* :data:`NOT_BUILT`: the feature changes what training computes (tensor parallelism, NVMe offload,
   quantized or compressed training, ...). A config that asks for it raises ``NotImplementedError`` naming the key.
   ``DeepSpeedConfig`` runs the check when it is built, which ``deepspeed.initialize`` does on every rank before
   any collective, so every rank raises the same error and nothing hangs.
@@ -48,23 +48,6 @@ def _given(value) -> bool:
     return value not in (None, {}, [], False)
 
 
-# upstream's defaults of the 'pipeline' section: a section holding only these asks for nothing
-PIPELINE_DEFAULTS = {
-    "stages": "auto",
-    "partition": "best",
-    "seed_layers": False,
-    "activation_checkpoint_interval": 0,
-    "pipe_partitioned": True,
-    "grad_partitioned": True,
-}
-
-
-def _pipeline(section) -> bool:
-    if not isinstance(section, dict):
-        return _given(section)
-    return any(key not in PIPELINE_DEFAULTS or value != PIPELINE_DEFAULTS[key] for key, value in section.items())
-
-
 def _nvme(value) -> bool:
     return isinstance(value, str) and value.strip().lower() == "nvme"
 
@@ -103,11 +86,9 @@ def _reduced_precision(value) -> bool:
 
 
 NOT_BUILT = (
-    # tensor parallelism, pipeline parallelism and NVMe offload are being built: each lifts its own rows
+    # tensor parallelism and NVMe offload are being built: each lifts its own rows
     Row("tensor_parallel", _tensor_parallel, "tensor parallelism (AutoTP, tensor_parallel.autotp_size > 1)",
         "training would run as plain data parallelism; remove the section or set autotp_size to 1"),
-    Row("pipeline", _pipeline, "pipeline parallelism (a 'pipeline' section beyond upstream's defaults)",
-        "remove the section; deepspeed.pipe.PipelineModule is not built either"),
     Row("zero_optimization.offload_optimizer.device", _nvme, "NVMe offload (offload_optimizer.device 'nvme')",
         "use device 'cpu'"),
     Row("zero_optimization.offload_param.device", _nvme, "NVMe offload (offload_param.device 'nvme')",

@@ -80,7 +80,11 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.device = torch.device(get_accelerator().device_name(
             self.local_rank)) if get_accelerator()._name != "cpu" else torch.device("cpu")
         # Before any other collective: ranks whose configs or models differ would hang or abort in one.
-        agreement.check_ranks_agree(cfg, model, optimizer is not None or cfg.optimizer_name is not None, self.device)
+        agreement.check_ranks_agree(cfg,
+                                    model,
+                                    optimizer is not None or cfg.optimizer_name is not None,
+                                    self.device,
+                                    model_key=engine_mesh.model_key(model))
         self._validate_supported(cfg)
         # The one mesh of this run: every group, and over which one each parameter is reduced.
         self.mesh = engine_mesh.build_engine_mesh(cfg, model, mpu, self.device, expert_sizes)

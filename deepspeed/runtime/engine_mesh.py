@@ -35,8 +35,23 @@ def sequence_parallel_size(config):
     return value if value is not None else config._param_dict.get("sequence_parallel_size")
 
 
+def model_layout(model):
+    """The mesh a model lays its ranks out on itself (a ``PipelineModule``'s stages), or None."""
+    describe = getattr(type(model), "_mesh_description", None)
+    return describe(model) if describe is not None else None
+
+
+def model_key(model):
+    """Which ranks hold the same model: the pipeline stage of a model that lays out its own ranks, else 0."""
+    return int(getattr(model, "stage_id", 0)) if model_layout(model) is not None else 0
+
+
 def check_mesh_inputs(config, model, mpu):
     """The expert-parallel sizes of ``model``; raises on every rank, before any collective, for a bad mesh."""
+    layout = model_layout(model)
+    if layout is not None and (sequence_parallel_size(config) or 1) > 1:
+        raise NotImplementedError("sequence parallelism (config key 'sequence_parallel_size') together with "
+                                  "pipeline parallelism is not supported; see docs/compatibility.md")
     if mpu is not None and _mpu_model_parallel_size(mpu) > 1:
         raise NotImplementedError(f"an mpu with model (tensor) parallel size {_mpu_model_parallel_size(mpu)} is not "
                                   f"supported: gradient norms and clipping over tensor-parallel shards are not built; "
@@ -48,7 +63,9 @@ def check_mesh_inputs(config, model, mpu):
             check()
     sizes = expert_parallel_sizes(model)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if mpu is None:
+    if layout is not None:
+        layout.with_expert_sizes(sizes)  # raises MeshError for experts that do not fit a stage
+    elif mpu is None:
         groups.MeshDescription.standard(world,
                                         sequence_parallel_size=sequence_parallel_size(config) or 1,
                                         expert_parallel_sizes=sizes)
@@ -57,10 +74,17 @@ def check_mesh_inputs(config, model, mpu):
 
 def build_engine_mesh(config, model, mpu, device, sizes):
     """Create the mesh's groups (a collective) and hand them to the model's MoE layers."""
-    mesh = groups.initialize_mesh(sequence_parallel_size=sequence_parallel_size(config),
-                                  expert_parallel_sizes=sizes,
-                                  mpu=mpu,
-                                  device=device)
+    layout = model_layout(model)
+    if layout is not None:  # the stages the model was cut into (its groups exist already)
+        description = layout.with_expert_sizes(sizes) if sizes else layout
+        current = groups._MESH
+        mesh = current if current is not None and current.description == description else groups.build_mesh(
+            description)
+    else:
+        mesh = groups.initialize_mesh(sequence_parallel_size=sequence_parallel_size(config),
+                                      expert_parallel_sizes=sizes,
+                                      mpu=mpu,
+                                      device=device)
     for module in model.modules():
         setter = getattr(module, "set_deepspeed_parallelism", None)
         if setter is not None and callable(setter):

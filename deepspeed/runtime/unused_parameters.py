@@ -24,6 +24,7 @@ class UnusedParameterCheck:
     def __init__(self, module, group=None, device=None):
         self.names = [name for name, p in module.named_parameters() if p.requires_grad]
         params = dict(module.named_parameters())
+        self._params = [params[name] for name in self.names]
         self.group = group
         self.device = device
         self.used = [False] * len(self.names)
@@ -37,6 +38,13 @@ class UnusedParameterCheck:
             self.used[index] = True
 
         return mark
+
+    def mark(self, params):
+        """Record gradients that reached ``params`` without autograd accumulating them (a weight-gradient pass)."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        for p in params:
+            if id(p) in index:
+                self.used[index[id(p)]] = True
 
     def reset(self):
         self.used = [False] * len(self.names)

@@ -318,6 +318,15 @@ _CACHE_OWNER = [None]
 mpu = None  # the mpu given to initialize (upstream keeps it as a module global too)
 
 
+def _current_cache():
+    """The group cache, emptied when the default process group changed since it was filled."""
+    default = id(torch.distributed.distributed_c10d._get_default_group())
+    if _CACHE_OWNER[0] != default:
+        _GROUP_CACHE.clear()
+        _CACHE_OWNER[0] = default
+    return _GROUP_CACHE
+
+
 def _new_group(ranks, world_size):
     """The process group of ``ranks``: the world group when they are the world, else one created once.
 
@@ -326,11 +335,7 @@ def _new_group(ranks, world_size):
     """
     if len(ranks) == world_size:
         return _WORLD
-    default = id(torch.distributed.distributed_c10d._get_default_group())
-    if _CACHE_OWNER[0] != default:
-        _GROUP_CACHE.clear()
-        _CACHE_OWNER[0] = default
-    group = _GROUP_CACHE.get(ranks)
+    group = _current_cache().get(ranks)
     if group is None:
         if len(ranks) == 1:
             group = torch.distributed.new_group(ranks=list(ranks), use_local_synchronization=True)
@@ -366,6 +371,37 @@ def build_mesh(description, given=None):
                 groups[kind] = group
     _MESH = _Mesh(description, rank, groups)
     return _MESH
+
+
+def group_of_ranks(table, own=False):
+    """This rank's group among ``table`` (groups of global ranks, the same list on every rank; a collective), or
+    None when the rank is in none of them. For groups the mesh's axes do not describe (the stages that share a
+    tied pipeline weight); each group is created once per default process group, like the mesh's own.
+
+    ``own``: a group of its own even where the ranks are the whole world (pipeline transfers: their
+    point-to-point messages then never share a communicator, nor its sequence, with the collectives).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mine = None
+    for ranks in table:
+        ranks = tuple(sorted(int(r) for r in ranks))
+        if len(ranks) == 1:  # a group of one is made by its member alone
+            if rank in ranks:
+                mine = _new_group(ranks, world) if dist.is_initialized() else None
+            continue
+        if own and dist.is_initialized():
+            key = ("own", ) + ranks
+            group = _current_cache().get(key)
+            if group is None:
+                group = _GROUP_CACHE[key] = dist.new_group(ranks=list(ranks))
+        else:
+            group = _new_group(ranks, world)
+        if rank in ranks:
+            mine = group
+    if mine is _WORLD:
+        return torch.distributed.group.WORLD
+    return mine
 
 
 def _ranks_of_group(group):

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Pipeline and MoE names import from upstream's paths with upstream's constructor parameters; constructing
-the pipeline classes raises NotImplementedError pointing to docs/compatibility.md (MoE is built: tests/unit/moe)."""
+"""Pipeline and MoE names import from upstream's paths with upstream's constructor parameters (both are built:
+tests/unit/runtime/pipe and tests/unit/moe)."""
 
 import inspect
 
@@ -42,14 +42,11 @@ def test_upstream_signature(name):
     assert list(inspect.signature(cls.__init__).parameters)[1:] == UPSTREAM_PARAMETERS[name]
 
 
-CONSTRUCT = {
-    "PipelineModule": lambda c: c(layers=[torch.nn.Linear(2, 2)], num_stages=1),
-    "LayerSpec": lambda c: c(torch.nn.Linear, 2, 2),
-    "TiedLayerSpec": lambda c: c("embed", torch.nn.Embedding, 4, 2),
-}
-
-
-@pytest.mark.parametrize("name", sorted(CONSTRUCT))
-def test_constructing_raises_not_implemented(name):
-    with pytest.raises(NotImplementedError, match=r"not supported yet.*docs/compatibility\.md"):
-        CONSTRUCT[name](_classes()[name])
+def test_pipeline_classes_construct_on_one_process():
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    spec = LayerSpec(torch.nn.Linear, 2, 2)
+    assert isinstance(spec.build(), torch.nn.Linear) and spec.module_args == (2, 2)
+    tied = TiedLayerSpec("embed", torch.nn.Embedding, 4, 2, tied_weight_attr="weight")
+    assert tied.tied_weight_attr == ["weight"] and tied.key == "embed"
+    model = PipelineModule(layers=[spec, torch.nn.ReLU()], num_stages=1)
+    assert model.parts == [0, 2] and model(torch.ones(3, 2)).shape == (3, 2)

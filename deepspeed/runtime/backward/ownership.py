@@ -124,3 +124,33 @@ def seed(tensor, loss_scale, scale_wrt_gas, retain_graph, source, pipeline):
 
     scaled.register_hook(_seed_hook)
     return scaled
+
+
+def seed_received(outputs, loss_scale, source, pipeline):
+    """Roots for a backward seeded by received gradients (a pipeline stage that is not the last).
+
+    ``outputs`` are this stage's output tensors whose gradients arrived from the next stage; those
+    gradients are the derivative of the last stage's loss times ``loss_scale`` (the fp16 scale the last
+    stage's seed applied) and carry nothing else, so this backward takes the same factor as the loss's:
+    ``s(E) / loss_scale``, applied once per contribution by the session. Returns one root per output,
+    a view of it carrying the seed hook: the roots fire first in the graph task, before any hook on the
+    outputs themselves (the engine's arming hooks, ZeRO-3's pre-backward hooks), so the session opens
+    seeded. ``torch.autograd.backward(roots, grads)`` runs it.
+    """
+    info = Seed(loss_scale=float(loss_scale), scale_wrt_gas=True, retain_graph=False, source=source)
+
+    def _seed_hook(grad):
+        session = registry.session_for_current_task()
+        if session is not None:
+            session.add_seed(info)
+            session.factor_for(pipeline)
+        return None
+
+    roots = []
+    for tensor in outputs:
+        if not tensor.requires_grad:
+            raise BackwardContractError(f"{source}: an output that received a gradient does not require grad")
+        root = tensor.view_as(tensor)
+        root.register_hook(_seed_hook)
+        roots.append(root)
+    return roots

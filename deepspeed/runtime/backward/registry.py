@@ -105,6 +105,26 @@ def suspended():
         _suspended -= 1
 
 
+@contextlib.contextmanager
+def explicit_session(seed):
+    """A session that no autograd graph task opens: for gradients the engine computes with ``torch.autograd.grad``
+    and hands over itself (``session.contribute_gradient``), with the factor ``seed`` gives. Its epilogue runs
+    when the context exits; it is unwound if the context raises. Inside it no other session may be open."""
+    from deepspeed.runtime.backward.session import BackwardSession
+    if _open:
+        raise RuntimeError("an explicit backward session cannot open inside another backward")
+    session = BackwardSession(-1)
+    with _lock:
+        _open.append(session)
+    try:
+        session.add_seed(seed)
+        yield session
+    except BaseException:
+        session.abort()
+        raise
+    session.close()
+
+
 def open_sessions():
     """Sessions whose epilogue has not run (for tests and debugging)."""
     return list(_open)

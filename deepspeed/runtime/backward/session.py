@@ -129,6 +129,13 @@ class BackwardSession:
         self._factors[pipeline] = factor
         return factor
 
+    def contribute_gradient(self, param, grad, pipeline):
+        """Hand ``grad``, a contribution to ``param`` that the engine computed itself (``torch.autograd.grad`` of a
+        weight-gradient pass, which accumulates into no ``.grad``), to ``pipeline``: the same path as a hook's."""
+        if pipeline not in self._factors:
+            self._join(pipeline)
+        pipeline.contribute(param, grad)
+
     @property
     def pipelines(self):
         return list(self._factors)
@@ -143,6 +150,10 @@ class BackwardSession:
                 pipeline.end_backward(self)
         finally:
             registry.close(self)
+
+    def close(self):
+        """Run the epilogue now (a session opened by ``registry.explicit_session``, which no graph task ends)."""
+        self._epilogue()
 
     def abort(self):
         """Unwind this session after a failure: pipelines drop its state, the registry forgets it."""

@@ -163,12 +163,22 @@ class ZeroStage:
                         sq = sq + torch.tensor(partial, dtype=torch.float32, device=self.device)
                     else:
                         sq = sq + grad_ops.partial_sq_norm(parts, device=self.device)
+                for param in self.norm_excluded:  # copies another rank counts (tied pipeline weights)
+                    piece = self.local_grad(param)
+                    if piece is not None and piece.numel():
+                        sq = sq - piece.detach().float().pow(2).sum().to(self.device)
                 if not self.geometry.replicated and self.world_size > 1:
                     dist.all_reduce(sq, group=self.group)
-                self._norm = sq.sqrt()
+                if self.norm_group is not None:  # the other pipeline stages' parameters
+                    dist.all_reduce(sq, group=self.norm_group)
+                self._norm = sq.clamp(min=0).sqrt()
         return self._norm
 
     speculative = None  # a SpeculativeStep (offload_optimizer.super_offload, stages 1-3), or None
+    # Pipeline parallelism: the norm is the whole model's. ``norm_group`` sums the squared norm over the other
+    # stages; ``norm_excluded`` are parameters whose gradient another stage counts (tied copies).
+    norm_group = None
+    norm_excluded = ()
 
     def found_overflow(self):
         """Whether the window gradient holds a NaN or an infinity on any rank (the same answer on every rank)."""
