@@ -197,11 +197,8 @@ def check_zenflow_stage(cfg, stage, offload_optimizer):
     """NotImplementedError / ValueError unless ZenFlow can run on this stage (a pure check: every rank raises)."""
     if cfg is None:
         return
-    if stage == 3:
-        raise NotImplementedError("zero_optimization.zenflow is not supported on ZeRO stage 3 in this release; use "
-                                  "stage 1 or 2 (see docs/compatibility.md)")
-    if stage not in (1, 2):
-        raise ValueError(f"zero_optimization.zenflow needs ZeRO stage 1 or 2, got stage {stage}")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"zero_optimization.zenflow needs ZeRO stage 1, 2 or 3, got stage {stage}")
     if offload_optimizer != "cpu":
         raise ValueError("zero_optimization.zenflow needs 'zero_optimization.offload_optimizer.device' \"cpu\": "
                          "the unselected part of the gradient is accumulated and stepped on the host")

@@ -55,8 +55,9 @@ from deepspeed.runtime.zenflow.config import resolve_schedule
 from deepspeed.runtime.zenflow.device_part import DevicePart, check_adam
 from deepspeed.runtime.zenflow.host_window import HostWindow
 from deepspeed.runtime.zenflow.selection import ColumnSelection
+from deepspeed.runtime.zenflow.zenflow_utils import _split_affinity
 from deepspeed.runtime.zero import grad_ops
-from deepspeed.runtime.zero.host_worker import cores_for, host_cores
+from deepspeed.runtime.zero.host_worker import host_cores
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned
 
@@ -79,13 +80,11 @@ class ZenFlowStep:
         self.selection = ColumnSelection(io.weights(), io.pieces(), io.num_groups, cfg.topk_ratio, stage.device,
                                          stage.group)
         self.device_part = DevicePart(stage.device, cfg.offload, pin_memory=pin)
-        self.main_threads = cores_for(cfg.pt_reserved_cores_perc)
+        worker_cores, main_cores = _split_affinity(range(host_cores()), cfg.pt_reserved_cores_perc)
+        self.main_threads = len(main_cores)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.main_threads)
-        self.window = HostWindow(stage.host_step,
-                                 threads=max(1,
-                                             host_cores() - self.main_threads),
-                                 update=cfg.window_update)
+        self.window = HostWindow(stage.host_step, threads=len(worker_cores), update=cfg.window_update)
         parts = list(stage.geometry.grad_parts)
         self.part_sets = [parts, [pinned(torch.zeros_like(p), pin) for p in parts]]
         self.part_busy = [DONE, DONE]

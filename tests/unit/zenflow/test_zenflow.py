@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """ZenFlow against a plain-torch model of its algorithm (``reference.py``), on gloo ranks.
 
-* the algorithm: ZeRO 1/2 with CPU offload, worlds 1 and 2 (partitions cut rows and
+* the algorithm: ZeRO 1/2 and 3 with CPU offload, worlds 1 and 2 (partitions cut rows and
   columns there), with and without ``overlap_step``, fixed and "auto" update intervals, warm-up,
   clipping, bf16, several host windows and selections: every ``engine.step()`` is a ZenFlow step
   (also with ``gradient_accumulation_steps`` 2 in the config, as upstream), and after every one
@@ -287,6 +287,45 @@ CASES = {
          slow_worker=True,
          zenflow=dict(topk_ratio=0.3, update_interval=2, select_strategy="step", select_interval=4,
                       overlap_step=True)),
+    # ZeRO-3: shards cut rows and columns at world 2; the 16-bit shards on the device, or on the host
+    "z3-w1-overlap-warmup":
+    dict(stage=3,
+         world=1,
+         gas=2,
+         zenflow=dict(topk_ratio=0.25,
+                      update_interval=3,
+                      select_strategy="step",
+                      select_interval=3,
+                      overlap_step=True,
+                      full_warm_up_rounds=2)),
+    "z3-w2":
+    dict(stage=3,
+         world=2,
+         gas=1,
+         zenflow=dict(topk_ratio=0.3, update_interval=2, select_strategy="step", select_interval=4)),
+    "z3-w2-auto-offload-param":
+    dict(stage=3,
+         world=2,
+         gas=1,
+         offload_param=True,
+         zenflow=dict(topk_ratio=0.3,
+                      update_interval="auto",
+                      select_strategy="step",
+                      select_interval=4,
+                      overlap_step=True,
+                      auto_ratio=0.5)),
+    "z3-w2-bf16-offload-apply1":
+    dict(stage=3,
+         world=2,
+         gas=1,
+         dtype="bf16",
+         zenflow=dict(topk_ratio=0.3,
+                      update_interval=2,
+                      select_strategy="step",
+                      select_interval=4,
+                      offload=True,
+                      overlap_step=True,
+                      overlap_apply_after=1)),
 }
 STEPS = 9
 
@@ -349,7 +388,7 @@ def test_fp16_overflow_skips_both_parts_on_every_rank():
 
 
 # ----------------------------------------------------------------- checkpoints
-def resume_mid_window(save_dir, total, cut):
+def resume_mid_window(save_dir, total, cut, stage):
     import deepspeed
     import deepspeed.comm as dist
     rank = dist.get_rank()
@@ -357,12 +396,12 @@ def resume_mid_window(save_dir, total, cut):
     # loop steps (8 ZenFlow steps) two steps of the third window are accumulated and the second window's host
     # step is done but not applied yet
     zenflow = dict(topk_ratio=0.3, update_interval=3, select_strategy="step", select_interval=12, overlap_step=True)
-    cfg = config(2, 2, zenflow)
+    cfg = config(stage, 2, zenflow)
     torch.manual_seed(0)
     model = ZFNet()
     straight = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)[0]
     train(straight, rank, total, 2)
-    expected = {n: p.detach().clone() for n, p in straight.module.named_parameters()}
+    expected = model_values(straight, stage)
     straight.destroy()
 
     first = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)[0]
@@ -376,14 +415,15 @@ def resume_mid_window(save_dir, total, cut):
     second = deepspeed.initialize(model=ZFNet(), config=cfg)[0]
     second.load_checkpoint(save_dir, tag="mid")
     train(second, rank, total - cut, 2, first_step=cut)
-    for n, p in second.module.named_parameters():
-        torch.testing.assert_close(p.detach(), expected[n], rtol=1e-6, atol=1e-7)
+    for n, value in model_values(second, stage).items():
+        torch.testing.assert_close(value, expected[n], rtol=1e-6, atol=1e-7)
     second.destroy()
     return True
 
 
-def test_save_load_mid_window_resumes_exactly(tmp_path):
-    assert run_distributed(resume_mid_window, 2, args=(str(tmp_path), 9, 4), timeout=120) == [True, True]
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_load_mid_window_resumes_exactly(tmp_path, stage):
+    assert run_distributed(resume_mid_window, 2, args=(str(tmp_path), 9, 4, stage), timeout=120) == [True, True]
 
 
 # ----------------------------------------------------------------- bad configs
@@ -392,7 +432,7 @@ BAD = {
     "topk_above_one": (2, dict(topk_ratio=1.5), "topk_ratio"),
     "interval_without_strategy": (2, dict(select_interval=4), "select_strategy"),
     "strategy_without_interval": (2, dict(select_strategy="step"), "select_interval"),
-    "stage3": (3, dict(topk_ratio=0.1), "stage 3"),
+    "stage0": (0, dict(topk_ratio=0.1), "stage 1, 2 or 3"),
     "window_update_unknown": (2, dict(window_update="twice"), "window_update"),
     "apply_after_zero": (2, dict(overlap_apply_after=0), "overlap_apply_after"),
     "apply_after_word": (2, dict(overlap_apply_after="soon"), "overlap_apply_after"),
