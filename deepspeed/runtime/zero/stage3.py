@@ -241,7 +241,10 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def refresh_16bit(self):
         """After the masters changed (a step, a load): the 16-bit shards, then re-gather the persistent units."""
         self._step_done()
-        if self.host_step is not None and self._host_shards:
+        if getattr(self, "zenflow", None) is not None:  # its host step writes buffers of its own, not the shards
+            self.host_step.fresh = False
+            self.zenflow.io.apply_host()
+        elif self.host_step is not None and self._host_shards:
             if not self.host_step.fresh:  # the step writes the host shards itself
                 self.host_step.refresh(before_write=self.fetch)
             self.host_step.fresh = False

@@ -388,7 +388,7 @@ def test_fp16_overflow_skips_both_parts_on_every_rank():
 
 
 # ----------------------------------------------------------------- checkpoints
-def resume_mid_window(save_dir, total, cut, stage):
+def resume_mid_window(save_dir, total, cut, stage, offload_param=False):
     import deepspeed
     import deepspeed.comm as dist
     rank = dist.get_rank()
@@ -397,6 +397,8 @@ def resume_mid_window(save_dir, total, cut, stage):
     # step is done but not applied yet
     zenflow = dict(topk_ratio=0.3, update_interval=3, select_strategy="step", select_interval=12, overlap_step=True)
     cfg = config(stage, 2, zenflow)
+    if offload_param:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     torch.manual_seed(0)
     model = ZFNet()
     straight = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)[0]
@@ -421,9 +423,10 @@ def resume_mid_window(save_dir, total, cut, stage):
     return True
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_save_load_mid_window_resumes_exactly(tmp_path, stage):
-    assert run_distributed(resume_mid_window, 2, args=(str(tmp_path), 9, 4, stage), timeout=120) == [True, True]
+@pytest.mark.parametrize("stage,offload_param", [(2, False), (3, False), (3, True)])
+def test_save_load_mid_window_resumes_exactly(tmp_path, stage, offload_param):
+    assert run_distributed(resume_mid_window, 2, args=(str(tmp_path), 9, 4, stage, offload_param),
+                           timeout=120) == [True, True]
 
 
 # ----------------------------------------------------------------- bad configs
