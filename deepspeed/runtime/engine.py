@@ -518,8 +518,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self.skipped_steps += 1
             report_skipped_step(self.global_steps + 1, self.loss_scaler, self.get_global_grad_norm())
         self.global_steps += 1
-        if self._config.managed_gradient_accumulation:
-            self.global_samples += self.train_batch_size()
+        if self._config.managed_gradient_accumulation:  # ZenFlow: a step is one micro-batch of the batch
+            gas = self._config.gradient_accumulation_steps
+            self.global_samples += self.train_batch_size() * self.window.gas // gas
         else:  # the caller owns the boundary: count the micro-batches of this step, as upstream
             self.global_samples += self._unmanaged_micro_batches * self.train_micro_batch_size_per_gpu() * \
                 self.dp_world_size

@@ -131,7 +131,7 @@ class ZenFlowStep:
                 if self._selection_due():
                     self._select(parts)
                 grads = self._selected_grads(parts, coef)
-                closes = self._window_closes(parts, grads)
+                closes = self._window_closes(parts)
                 values = self.device_part.step(grads, stage.optimizer.param_groups)
                 self._swap_parts(self.window.accumulate(parts, coef))
                 if closes:
@@ -214,7 +214,7 @@ class ZenFlowStep:
         self.pending_apply = False
 
     # ------------------------------------------------------------ auto window
-    def _window_closes(self, parts, grads):
+    def _window_closes(self, parts):
         if self.schedule.closes(self.steps):
             return True
         if self.schedule.update_every is not None:
