@@ -13,9 +13,11 @@
 # Upstream's package: UPSTREAM_WHEELS=DIR (../shared/tools/upstream-wheels.sh; default .whl-upstream when it
 # exists), installed into /tmp/upstream, or UPSTREAM_PYTHON=PATH, a python whose `import deepspeed` is upstream's.
 # MODEL="--device cpu --d-model 64 ..." replaces the reference model (a CPU smoke run); THRESHOLDS="9.0 8.8".
+# UPSTREAM_EXT: the folder of upstream's JIT-built ops (default OUT/torch_extensions; reuse one to skip the build).
 # Limits (s): DEADLINE 225 for every run (from the start), T_FIRST 130 for the first phase, T_SETUP 40 for installing
 # and importing each package.
-# Writes OUT/steps_to_loss.md (table), OUT/steps_to_loss.png (with matplotlib), OUT/{ours,upstream,adamw}.{md,jsonl,log}.
+# Writes OUT/steps_to_loss.md (the table), OUT/steps_to_loss.png (with matplotlib) and each run's .md/.jsonl/.log
+# (OUT/ours.*, OUT/upstream.*, OUT/adamw.*).
 set -u
 OUT=${1:?output dir}
 STEPS=${2:-50}
@@ -24,6 +26,9 @@ OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST-9.0}
+# upstream's JIT builds go to a folder of their own (UPSTREAM_EXT), so that a stale lock can be cleared safely
+UPSTREAM_EXT=${UPSTREAM_EXT:-$OUT/torch_extensions}
+mkdir -p "$UPSTREAM_EXT"
 PY=${PYTHON:-python3}
 DEADLINE=${DEADLINE:-225}
 T_FIRST=${T_FIRST:-130}
@@ -67,14 +72,18 @@ timeout "$T_FIRST" "$PY" benchmarks/train_bench.py "${COMMON[@]}" --systems ds_z
 timeout "$T_FIRST" "$PY" benchmarks/train_bench.py "${COMMON[@]}" --systems ddp \
     --out "$OUT/adamw.md" >"$OUT/adamw.log" 2>&1 &
 BUILD='from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder("CPUAdamBuilder").load()'
-(cd /tmp && PYTHONPATH=$UP_PATH timeout "$T_FIRST" "$UP_PY" -c "$BUILD" >"$OUT/upstream_build.log" 2>&1 ||
+(cd /tmp && TORCH_EXTENSIONS_DIR=$UPSTREAM_EXT PYTHONPATH=$UP_PATH timeout "$T_FIRST" "$UP_PY" -c "$BUILD" \
+    >"$OUT/upstream_build.log" 2>&1 ||
     echo "building upstream's CPU Adam failed (the run builds it): $OUT/upstream_build.log") &
 wait
+# A JIT build stopped by its deadline leaves its lock file, and the next load would wait on it for ever.
+find "$UPSTREAM_EXT" -name lock -delete 2>/dev/null
 left=$((DEADLINE - ($(date +%s) - begin)))
 [ "$left" -lt 10 ] && left=10  # (timeout 0 would mean no limit)
 echo "phase 1 ended after $(($(date +%s) - begin)) s; upstream's run gets $left s"
-DS_BENCH_UPSTREAM=1 PYTHONPATH=$UP_PATH timeout "$left" "$UP_PY" benchmarks/train_bench.py "${COMMON[@]}" \
-    --systems ds_zero2+zenflow --out "$OUT/upstream.md" >"$OUT/upstream.log" 2>&1
+DS_BENCH_UPSTREAM=1 TORCH_EXTENSIONS_DIR=$UPSTREAM_EXT PYTHONPATH=$UP_PATH timeout "$left" "$UP_PY" \
+    benchmarks/train_bench.py "${COMMON[@]}" --systems ds_zero2+zenflow --out "$OUT/upstream.md" \
+    >"$OUT/upstream.log" 2>&1
 echo "runs ended after $(($(date +%s) - begin)) s"
 for name in ours upstream adamw; do
     grep -h -m1 "deepspeed: " "$OUT/$name.md" 2>/dev/null | sed "s/^/$name: /"
