@@ -85,8 +85,8 @@ DS_BENCH_UPSTREAM=1 TORCH_EXTENSIONS_DIR=$UPSTREAM_EXT PYTHONPATH=$UP_PATH timeo
     benchmarks/train_bench.py "${COMMON[@]}" --systems ds_zero2+zenflow --out "$OUT/upstream.md" \
     >"$OUT/upstream.log" 2>&1
 echo "runs ended after $(($(date +%s) - begin)) s"
-for name in ours upstream adamw; do
-    grep -h -m1 "deepspeed: " "$OUT/$name.md" 2>/dev/null | sed "s/^/$name: /"
+for name in ours upstream; do  # (plain AdamW uses torch only)
+    grep -h -m1 "deepspeed: " "$OUT/$name.md" 2>/dev/null | sed "s/^- /$name: /"
 done
 
 # One row per run: its JSON line when it finished, else the steps its log recorded (partial).
