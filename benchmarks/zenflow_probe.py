@@ -107,7 +107,7 @@ def run_engine(args, widths, model, teacher):
         total = torch.tensor([float(loss)])
         dist.all_reduce(total)
         losses.append(float(total) / world)
-        if args.dump:
+        if args.dump or args.compare:
             dump.append({k: v.detach().float().clone() for k, v in engine.module.state_dict().items()})
     engine.destroy()
     label = f"engine deepspeed {deepspeed.__version__} world {world}"
@@ -173,7 +173,7 @@ def run_plain(args, widths, model, teacher):
             opt.step()
         else:
             step_fn(grads)
-        if args.dump:
+        if args.dump or args.compare:
             dump.append({k: v.detach().clone() for k, v in current().items()})
     return losses, dump, f"{args.system}{' fixed' if args.fixed else ''} world {world}"
 
