@@ -101,6 +101,9 @@ def parse_args(argv=None):
                         action="store_false",
                         help="+zenflow: overlap_step false (default true)")
     parser.add_argument("--zenflow-offload", action="store_true", help="+zenflow: offload (GPU part's state on host)")
+    parser.add_argument("--log-steps",
+                        action="store_true",
+                        help="print each step's loss and time as it ends (a run stopped early still leaves them)")
     parser.add_argument("--idle-steps",
                         type=int,
                         default=0,
@@ -207,6 +210,9 @@ def bench_system(name, args, cfg, data, device):
             step_times.append(time.perf_counter() - start)
             losses.append(float(loss))
             grad_norms.append(system.grad_norm() if hasattr(system, "grad_norm") else None)
+            if args.log_steps and dist.get_rank() == 0:
+                print(json.dumps(dict(step_of=name, step=len(losses), loss=losses[-1], time_s=step_times[-1])),
+                      flush=True)
         peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
         if args.idle_steps > 0:
             idle = measure_idle(name, system, data[-args.idle_steps:], device, args.profile_dir)

@@ -35,6 +35,7 @@ from deepspeed.runtime.precision.overflow import report_skipped_step
 from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
 from deepspeed.runtime.unused_parameters import UnusedParameterCheck
 from deepspeed.runtime.usage_errors import EngineUsageError, require_scalar_loss
+from deepspeed.runtime.zenflow.config import accumulation_steps as zenflow_accumulation_steps
 from deepspeed.runtime.zero.stages import StageConfig, build_stage
 from deepspeed.utils import groups
 from deepspeed.utils.logging import log_dist, set_log_level_from_string
@@ -100,7 +101,10 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
-        self.window = AccumulationWindow(cfg.gradient_accumulation_steps, cfg.managed_gradient_accumulation)
+        # ZenFlow steps every micro-batch, as upstream: its host window replaces gradient accumulation.
+        gas = zenflow_accumulation_steps(cfg.zero_config.zenflow if cfg.zero_enabled else None,
+                                         cfg.gradient_accumulation_steps)
+        self.window = AccumulationWindow(gas, cfg.managed_gradient_accumulation)
         self._step_applied = False
         self._warned_empty_step = False
         self._is_compiled = False
@@ -269,7 +273,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             return getattr(module, name)
 
     def gradient_accumulation_steps(self):
-        return self._config.gradient_accumulation_steps
+        return self.window.gradient_accumulation_steps()
 
     def train_micro_batch_size_per_gpu(self):
         return self._config.train_micro_batch_size_per_gpu
@@ -519,8 +523,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self.skipped_steps += 1
             report_skipped_step(self.global_steps + 1, self.loss_scaler, self.get_global_grad_norm())
         self.global_steps += 1
-        if self._config.managed_gradient_accumulation:
-            self.global_samples += self.train_batch_size()
+        if self._config.managed_gradient_accumulation:  # ZenFlow: a step is one micro-batch of the batch
+            gas = self._config.gradient_accumulation_steps
+            self.global_samples += self.train_batch_size() * self.window.gas // gas
         else:  # the caller owns the boundary: count the micro-batches of this step, as upstream
             self.global_samples += self._unmanaged_micro_batches * self.train_micro_batch_size_per_gpu() * \
                 self.dp_world_size

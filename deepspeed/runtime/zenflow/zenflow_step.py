@@ -1,44 +1,48 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ZenFlow: stall-free offload. Important rows step on the device every step; the rest step on the host, later.
+"""ZenFlow: stall-free offload. Important columns step on the device every step; the rest step on the host, later.
 
-:class:`ZenFlowStep` replaces the optimizer step of a ZeRO-1/2 stage with ``offload_optimizer`` when
-``zero_optimization.zenflow`` is set. The backward, the reduction into host partitions, the
-global norm, the fp16 overflow check and clipping stay the stage's and the engine's (the
-loss scale enters through the backward session, like everywhere else); ZenFlow decides what
-the step does with the window gradient ``g_t`` and its clipping coefficient ``c_t``.
+:class:`ZenFlowStep` replaces the optimizer step of a ZeRO stage with ``offload_optimizer`` when
+``zero_optimization.zenflow`` is set (ZeRO 1/2 and 3; what differs between them is in
+``stage_io.py``). The backward, the reduction into host partitions, the global norm, the fp16
+overflow check and clipping stay the stage's and the engine's (the loss scale enters through the
+backward session, like everywhere else); ZenFlow decides what the step does with the gradient
+``g_t`` and its clipping coefficient ``c_t``.
 
-The algorithm, per applied optimizer step ``t`` (an overflowed step is skipped whole, by the
-engine, and does not count):
+A ZenFlow step is one ``engine.step()``, so one micro-batch: as in upstream DeepSpeed, the engine
+accumulates over one micro-batch under ZenFlow and the host window takes the place of gradient
+accumulation (``config.accumulation_steps``). The algorithm, per applied step ``t`` (an overflowed
+step is skipped whole, by the engine, and does not count):
 
 1. warm-up (``t < full_warm_up_rounds``): a plain offloaded step of everything;
-2. at the first step of a host window, when a selection is due (the first time, then every
-   ``select_interval`` steps or epochs), the rows are selected from ``g_t``
-   (:class:`~deepspeed.runtime.zenflow.selection.RowSelection`); the device part's values are
-   written back into the fp32 masters first, the new selection's values are read from them,
-   and its moments start at zero;
-3. the device part (the selected rows and every parameter of fewer than two dimensions)
-   takes one Adam step with ``c_t * g_t`` of its elements, every step: it is exact every step;
+2. selection, at ``t = full_warm_up_rounds`` and at every multiple of ``select_interval`` (steps,
+   or epochs of steps): the top ``max(1, int(topk_ratio * C))`` columns of every weight of ``C``
+   columns by the L1 norm of their gradient in ``g_t``
+   (:class:`~deepspeed.runtime.zenflow.selection.ColumnSelection`); a pending host step is applied
+   and the device part's values are written back into the fp32 masters first, the new selection's
+   values are read from them, and its Adam moments and step count start at zero;
+3. the *device part* (the selected columns and every parameter of fewer than two dimensions)
+   takes one Adam step with ``c_t * g_t`` of its elements, every step, on the GPU: it is exact
+   every step;
 4. ``c_t * g_t`` is added into the host window accumulator (on a worker thread);
-5. when a window of ``n`` steps closes (``update_interval`` steps, or the "auto" rule below),
-   the host optimizer steps every master with the window's mean ``(1/n) sum c_t g_t``
-   (``window_update``: one plain Adam step by default, upstream's arithmetic; or as far as the
-   window's ``n`` steps would move them, see ``host_window.py``); its values reach the model's
-   16-bit parameters, except the selected rows, which keep the device part's. Without
-   ``overlap_step`` that happens at once (the host step blocks); with it, the step runs on the
-   worker thread during the next window and its values are applied when that window closes
-   (upstream's), or earlier at a selection, or ``overlap_apply_after`` steps after the launch
-   when that is a number (2: by then the worker has finished it, since that step waits for
-   the accumulation queued behind it).
+5. a window closes at step ``t`` when ``(t + 1 - full_warm_up_rounds)`` is a multiple of
+   ``update_interval`` (or by the "auto" rule below), and before every selection: the host optimizer
+   steps every master with the mean ``(1/n) sum c_t g_t`` of its ``n`` steps (``window_update``:
+   one plain Adam step by default, upstream's arithmetic; or as far as the window's ``n`` steps
+   would move them, see ``host_window.py``); its values reach the model's 16-bit parameters,
+   except the selected columns, which keep the device part's. Without ``overlap_step`` that
+   happens at once (the host step blocks); with it, the step runs on the worker thread during the
+   next window and its values are applied when that window closes (upstream's), or earlier at a
+   selection, or ``overlap_apply_after`` steps after the launch when that is a number.
 
-The model's 16-bit parameters therefore hold, at every step, the device part's values for
-the selected rows and the last applied host values for the others. On ``W > 1`` ranks every
-step ends with an all-gather of the updated partitions, as ZeRO-1/2 steps do.
+The model's 16-bit parameters therefore hold, at every step, the device part's values for the
+selected columns and the last applied host values for the others. On ``W > 1`` ranks every step
+ends by publishing the rank's part (``stage_io.py``).
 
-"auto" update interval: per selectable weight, each step compares the mean squared gradient
-of its unselected elements, summed over the open window, with the mean over the window of
-the mean squared gradient of its selected elements; the window closes once the share of
-weights whose unselected sum caught up reaches ``auto_ratio`` (weights whose rows are all
-selected do not count). The quantities are reduced over ranks, so every rank decides alike.
+"auto" update interval: per selectable weight, each step compares the mean squared gradient of
+its unselected elements, summed over the open window, with the mean over the window of the mean
+squared gradient of its selected elements; the window closes once the share of weights whose
+unselected sum caught up reaches ``auto_ratio`` (weights whose columns are all selected do not
+count). The quantities are reduced over ranks, so every rank decides alike.
 
 Threads: the training thread keeps ``pt_reserved_cores_perc`` of the cores (torch's intra-op
 threads), the host worker takes the rest.
@@ -50,37 +54,37 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zenflow.config import resolve_schedule
 from deepspeed.runtime.zenflow.device_part import DevicePart, check_adam
 from deepspeed.runtime.zenflow.host_window import HostWindow
-from deepspeed.runtime.zenflow.selection import RowSelection, rows_selected
-from deepspeed.runtime.zero import grad_ops, host_math
-from deepspeed.runtime.zero.host_worker import cores_for, host_cores
+from deepspeed.runtime.zenflow.selection import ColumnSelection
+from deepspeed.runtime.zenflow.zenflow_utils import _split_affinity
+from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.host_worker import host_cores
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned
 
-STATE_VERSION = 2  # 2: the selection is keyed by weight (layout order), no longer by this rank's pieces
+STATE_VERSION = 3  # 3: columns selected, steps counted per engine.step()
 
 
 class ZenFlowStep:
-    """ZenFlow's optimizer step for a :class:`~deepspeed.runtime.zero.stage_1_and_2.PartitionedStage`."""
+    """ZenFlow's optimizer step for a ZeRO stage with ``offload_optimizer``; ``io`` is the stage's
+    :mod:`~deepspeed.runtime.zenflow.stage_io` object."""
 
-    def __init__(self, stage, cfg):
+    def __init__(self, stage, cfg, io):
         self.stage = stage
         self.cfg = cfg
+        self.io = io
         check_adam(stage.optimizer)
         if stage.host_step is None:
             raise ValueError("zero_optimization.zenflow needs offload_optimizer.device \"cpu\"")
         self.schedule = resolve_schedule(cfg)
-        self.layout = stage.layout
-        self.world = self.layout.world_size
         pin = stage.config.pin_memory
-        self.selection = RowSelection(self.layout, cfg.topk_ratio, stage.device, stage.group)
+        self.selection = ColumnSelection(io.weights(), io.pieces(), io.num_groups, cfg.topk_ratio, stage.device,
+                                         stage.group)
         self.device_part = DevicePart(stage.device, cfg.offload, pin_memory=pin)
-        self.main_threads = cores_for(cfg.pt_reserved_cores_perc)
+        worker_cores, main_cores = _split_affinity(range(host_cores()), cfg.pt_reserved_cores_perc)
+        self.main_threads = len(main_cores)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.main_threads)
-        self.window = HostWindow(stage.host_step,
-                                 threads=max(1,
-                                             host_cores() - self.main_threads),
-                                 update=cfg.window_update)
+        self.window = HostWindow(stage.host_step, threads=len(worker_cores), update=cfg.window_update)
         parts = list(stage.geometry.grad_parts)
         self.part_sets = [parts, [pinned(torch.zeros_like(p), pin) for p in parts]]
         self.part_busy = [DONE, DONE]
@@ -90,7 +94,7 @@ class ZenFlowStep:
         self.transfers = HostTransfers(stage.device)
         self._grad_staging = None
         self._grad_copy = DONE
-        self.steps = 0  # applied optimizer steps
+        self.steps = 0  # applied ZenFlow steps (engine.step() calls)
         self.selected_at = None  # step of the last selection
         self.coef = 1.0
         self.pending_apply = False
@@ -98,13 +102,15 @@ class ZenFlowStep:
         self._auto = None
 
     def set_steps_per_epoch(self, steps):
-        """The training data's epoch length in optimizer steps (the "epoch" selection strategy counts in it)."""
+        """The training data's epoch length in ZenFlow steps (the "epoch" selection strategy counts in it)."""
         self.schedule = resolve_schedule(self.cfg, steps)
 
+    def _selection_due(self):
+        return self.window.count == 0 and self.schedule.selects(self.steps, self.selected_at is not None)
+
     def before_step(self):
-        """The window's reductions are complete: start moving what the step needs (offloaded device part)."""
-        reselects = self.window.count == 0 and self._selection_due()
-        if self.steps >= self.schedule.warm_up and not reselects:
+        """The step's reductions are complete: start moving what the step needs (offloaded device part)."""
+        if self.steps >= self.schedule.warm_up and not self._selection_due():
             self.device_part.prefetch()
 
     def set_clip(self, coef):
@@ -114,18 +120,18 @@ class ZenFlowStep:
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self):
-        """The ZenFlow step of the window gradient in the stage's partitions (see the module docstring)."""
+        """The ZenFlow step of the gradient in the stage's partitions (see the module docstring)."""
         stage = self.stage
         parts = stage.geometry.partitions()
         coef, self.coef = self.coef, 1.0
         with ds_range("DS::zenflow_step"):
             if self.steps < self.schedule.warm_up:
-                self._full_step(parts, coef)
+                self.io.full_step(parts, coef)
             else:
-                if self.window.count == 0 and self._selection_due():
+                if self._selection_due():
                     self._select(parts)
                 grads = self._selected_grads(parts, coef)
-                closes = self._window_closes(parts, grads)
+                closes = self._window_closes(parts)
                 values = self.device_part.step(grads, stage.optimizer.param_groups)
                 self._swap_parts(self.window.accumulate(parts, coef))
                 if closes:
@@ -134,36 +140,19 @@ class ZenFlowStep:
                     if self.window.launched is not None:  # None: resumed from a checkpoint, nothing in flight
                         self.window.launched.synchronize()
                     self._apply()
-                self.selection.scatter(values, stage.flat_params, space="full")
-                self._all_gather_params()
+                self.io.before_write()
+                self.selection.scatter(values, self.io.targets(), at="target")
+                self.io.publish()
         self.steps += 1
-
-    def _full_step(self, parts, coef):
-        stage = self.stage
-        if coef != 1.0:
-            grad_ops.scale_(parts, coef)
-        for master, part in zip(stage.masters, parts):
-            master.grad = part if part.dtype == torch.float32 else part.float()
-        try:
-            stage.host_step.step()
-        finally:
-            for master in stage.masters:
-                master.grad = None
-        stage.host_step.gather_into(self.layout, stage.flat_params, stage.group)
-
-    def _selection_due(self):
-        if self.selected_at is None:
-            return True
-        every = self.schedule.select_every
-        return every is not None and self.steps - self.selected_at >= every
 
     def _select(self, parts):
         with ds_range("DS::zenflow_select"):
             self.window.wait()  # nothing in flight reads or writes the masters now
             if self.pending_apply:
                 self._apply()
-                if self.device_part.values:  # the previous selection's rows keep their device values
-                    self.selection.scatter(self.device_part.host_values(), self.stage.flat_params, space="full")
+                if self.device_part.values:  # the previous selection's columns keep their device values
+                    self.io.before_write()
+                    self.selection.scatter(self.device_part.host_values(), self.io.targets(), at="target")
             self.sync_masters()
             self.selection.select(parts)
             masters = [m.data for m in self.stage.masters]
@@ -187,7 +176,7 @@ class ZenFlowStep:
         return grads
 
     def _swap_parts(self, busy):
-        """The worker reads the partitions just handed to it; the next window gradient goes to the other set."""
+        """The worker reads the partitions just handed to it; the next step's gradient goes to the other set."""
         self.part_busy[self.active] = busy
         other = 1 - self.active
         self.part_busy[other].synchronize()
@@ -219,75 +208,40 @@ class ZenFlowStep:
         return self.steps - self.launched_at >= after
 
     def _apply(self):
-        """The last host step's 16-bit values into this rank's chunks of the model (the device part's rows are
+        """The last host step's 16-bit values into this rank's part of the model (the device part's columns are
         written over them by the caller)."""
-        self.stage.host_step.upload_own(self.layout, self.stage.flat_params)
+        self.io.apply_host()
         self.pending_apply = False
 
-    def _all_gather_params(self):
-        if self.world == 1:
-            return
-        layout, flat = self.layout, self.stage.flat_params
-        works = []
-        for bucket in layout.buckets:
-            send = layout.bucket_own_chunk_full(flat, bucket).clone()
-            works.append(
-                dist.all_gather_into_tensor(layout.bucket_full(flat, bucket),
-                                            send,
-                                            group=self.stage.group,
-                                            async_op=True))
-        for work in works:
-            work.wait()
-
     # ------------------------------------------------------------ auto window
-    def _window_closes(self, parts, grads):
-        every = self.schedule.update_every
-        if every is not None:
-            return self.window.count + 1 >= every
-        return self._auto_closes(parts, grads)
+    def _window_closes(self, parts):
+        if self.schedule.closes(self.steps):
+            return True
+        if self.schedule.update_every is not None:
+            return False
+        return self._auto_closes(parts)
 
-    def _auto_closes(self, parts, grads):
+    def _auto_closes(self, parts):
         selection = self.selection
-        n_params = len(self.layout.params)
-        index_of = {p: i for i, p in enumerate(self.layout.params)}
-        sums = torch.zeros(2 * n_params, dtype=torch.float64)
-        host = self._grad_staging
-        for piece in selection.pieces:
-            if piece.selectable:
-                i = index_of[piece.param]
-                part = parts[piece.group].narrow(0, piece.part_offset, piece.length)
-                sums[i] += host_math.sum_of_squares([part])
-        for g, ops in enumerate(selection.ops):
-            for op in ops:
-                piece = selection.pieces[op.piece]
-                if piece.selectable:
-                    numel = op.numel if not op.row_len else op.ids.numel() * op.row_len
-                    run = host[g].narrow(0, op.sel_offset, numel)
-                    sums[n_params + index_of[piece.param]] += float(torch.linalg.vector_norm(run,
-                                                                                             dtype=torch.float32))**2
+        sums = selection.weight_sums(parts, self._grad_staging)
         if dist.is_initialized() and dist.get_world_size(self.stage.group) > 1:
             reduced = sums.to(torch.float32).to(self.stage.device)
             dist.all_reduce(reduced, group=self.stage.group)
             sums = reduced.double().cpu()
+        n_weights = len(selection.weights)
         if self._auto is None:
-            self._auto = dict(non=torch.zeros(n_params, dtype=torch.float64),
-                              crit=torch.zeros(n_params, dtype=torch.float64),
+            self._auto = dict(non=torch.zeros(n_weights, dtype=torch.float64),
+                              crit=torch.zeros(n_weights, dtype=torch.float64),
                               n=0)
         auto = self._auto
         auto["n"] += 1
         counted = caught = 0
-        for param, i in index_of.items():
-            shape = tuple(param.shape)
-            if len(shape) < 2 or param.numel() == 0:
+        for i, weight in enumerate(selection.weights):
+            if weight.k >= weight.cols:
                 continue
-            rows = shape[0]
-            k = rows_selected(rows, self.cfg.topk_ratio)
-            if k >= rows:
-                continue
-            row_len = param.numel() // rows
-            total, selected = float(sums[i]), float(sums[n_params + i])
-            auto["crit"][i] += selected / (k * row_len)
-            auto["non"][i] += max(total - selected, 0.0) / ((rows - k) * row_len)
+            total, selected = float(sums[i]), float(sums[n_weights + i])
+            auto["crit"][i] += selected / (weight.k * weight.rows)
+            auto["non"][i] += max(total - selected, 0.0) / ((weight.cols - weight.k) * weight.rows)
             counted += 1
             if auto["non"][i] >= auto["crit"][i] / auto["n"]:
                 caught += 1
@@ -314,9 +268,6 @@ class ZenFlowStep:
     def export_state(self):
         """ZenFlow's state beside the stage's (masters and inner optimizer, saved by the checkpoint code)."""
         self.sync_masters()
-        layout, flat = self.layout, self.stage.flat_params
-        own16 = torch.cat([layout.bucket_own_chunk_full(flat, b).cpu()
-                           for b in layout.buckets]) if layout.buckets else torch.empty(0, dtype=flat.dtype)
         return dict(version=STATE_VERSION,
                     steps=self.steps,
                     selected_at=self.selected_at,
@@ -324,9 +275,9 @@ class ZenFlowStep:
                     acc=[a.clone() for a in self.window.acc] if self.window.count else None,
                     pending_apply=self.pending_apply,
                     launched_at=self.launched_at,
-                    rows=self.selection.state(),
+                    columns=self.selection.state(),
                     device=self.device_part.state(),
-                    own16=own16,
+                    own16=self.io.own16(),
                     auto=None if self._auto is None else dict(self._auto))
 
     @torch.no_grad()
@@ -344,7 +295,7 @@ class ZenFlowStep:
                 a.copy_(saved)
         self.pending_apply = bool(state["pending_apply"])
         self.launched_at = state.get("launched_at")
-        self.selection.set_rows(state["rows"])
+        self.selection.set_columns(state["columns"])
         masters = [m.data for m in self.stage.masters]
         device = state["device"]
         if self.selected_at is not None:
@@ -352,12 +303,7 @@ class ZenFlowStep:
             self.device_part.load(values, device["exp_avg"], device["exp_avg_sq"], device["steps"])
         self._auto = state["auto"]
         self.stage.host_step.fresh = False
-        layout, flat = self.layout, self.stage.flat_params
-        own16, at = state["own16"], 0
-        for bucket in layout.buckets:
-            layout.bucket_own_chunk_full(flat, bucket).copy_(own16.narrow(0, at, bucket.chunk))
-            at += bucket.chunk
-        self._all_gather_params()
+        self.io.load_own16(state["own16"])
 
     def reset(self):
         """Start over from the masters as they are (a checkpoint of another layout, or without ZenFlow state)."""
@@ -365,7 +311,7 @@ class ZenFlowStep:
         self.window.count = 0
         self.pending_apply = False
         self.launched_at = None
-        self.selection.set_rows({})
+        self.selection.set_columns({})
         self.device_part = DevicePart(self.stage.device, self.cfg.offload, pin_memory=self.stage.config.pin_memory)
         self.selected_at = None
         self.steps = max(self.steps, self.schedule.warm_up)

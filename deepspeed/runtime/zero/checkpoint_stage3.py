@@ -23,7 +23,7 @@ import torch
 from deepspeed.runtime.checkpoint import paths
 from deepspeed.runtime.checkpoint.model_state import buffer_names, persistent_buffers
 from deepspeed.runtime.checkpoint.stage3_state import LAYOUT3_KEY, same_zero3_layout
-from deepspeed.runtime.checkpoint.stage_checkpoint import FlatMastersCheckpoint
+from deepspeed.runtime.checkpoint.stage_checkpoint import STAGE_EXTRA_KEY, FlatMastersCheckpoint
 from deepspeed.runtime.zero.partition_parameters import write_shard_from_full
 
 
@@ -86,6 +86,9 @@ class Stage3Checkpoint(FlatMastersCheckpoint):
                      frozen_16bit_shards=frozen,
                      partition_count=self.layout.world_size)
         state[LAYOUT3_KEY] = describe_zero3_layout(stage, save.name_of)
+        extra = stage.extra_state()  # ZenFlow's window, selection and device part
+        if extra is not None:
+            state[STAGE_EXTRA_KEY] = extra
         rank = self.layout.rank
         return [(paths.ZERO3_MODEL_STATES_FILE.format(rank=rank), states),
                 (paths.optim_states_name(rank, save.bf16), save.optimizer_file(state))]

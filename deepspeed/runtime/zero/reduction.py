@@ -379,23 +379,39 @@ class UnitGeometry(_Geometry):
         self.grad_parts = [self._new_part(numel) for numel in part_layout.group_part_numel]
         num_groups = len(self.grad_parts)
         self.buckets = []
-        self._segments = []  # per unit: (group partition piece, column offset, length)
-        self._flat_dest = []  # per unit: world of one, one contiguous destination for every column, or None
         for unit in units:
             bucket = GradBucket(unit.index)
             for param, column, shard in zip(unit.params, unit.columns, unit.shards):
                 if param.requires_grad and part_layout.slots[param].group < num_groups:
                     bucket.slots.append(GradSlot(param, bucket, column, param.ds_numel, param.ds_shape, shard=shard))
+            self.buckets.append(bucket)
+        self._set_destinations()
+
+    def _set_destinations(self):
+        """Per unit, the pieces of the group partitions its reduced row folds into (and, on a world of one, the
+        one contiguous destination of every column, when there is one)."""
+        num_groups = len(self.grad_parts)
+        self._segments = []  # per unit: (group partition piece, column offset, length)
+        self._flat_dest = []  # per unit: world of one, one contiguous destination for every column, or None
+        if self.folder is not None:
+            self.folder.clear_pieces()
+        for unit, bucket in zip(self.units, self.buckets):
             segments = [(self.grad_parts[g].narrow(0, part_offset, length), column, length)
-                        for g, part_offset, column, length in part_layout.segments[unit.index] if g < num_groups]
+                        for g, part_offset, column, length in self.part_layout.segments[unit.index] if g < num_groups]
             whole = (len(segments) == 1 and len(bucket.slots) == len(unit.params)
                      and all(s.numel == s.shard for s in bucket.slots))
-            self.buckets.append(bucket)
             self._segments.append(segments)
             self._flat_dest.append(segments[0][0] if whole and self.identity else None)
             if bucket.slots:
                 for piece, _, _ in segments:
                     self._register_piece(piece)
+
+    def use_partitions(self, parts):
+        """From now on fold into ``parts`` (tensors shaped like the partitions) instead: the caller keeps reading the
+        previous ones (ZenFlow's host worker does, while the next step fills these)."""
+        self.settle()
+        self.grad_parts = list(parts)
+        self._set_destinations()
 
     def partitions(self):
         self.settle()

@@ -31,6 +31,8 @@ as their folds complete (``speculative_step.py``) and ``step()`` keeps or rolls 
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.zenflow.stage_io import UnitIO
+from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.checkpoint_stage3 import Stage3Checkpoint
 from deepspeed.runtime.zero.device_share import device_ranges
@@ -138,7 +140,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                                       self.device,
                                       pin_memory=config.pin_memory,
                                       cores_perc=config.cpu_cores_perc,
-                                      targets=self.shards[:num_groups] if host_shards else None,
+                                      targets=self.shards[:num_groups] if host_shards and not config.zenflow else None,
                                       device_ranges=device_ranges(self.masters, config.offload_ratio))
             self._host_shards = host_shards
         self.coordinator = UnitCoordinator(module, units, self._send_chunk, self.pipeline, group, device)
@@ -147,7 +149,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         # barrier), state_dict (a pre-hook on every module), the accessors and the rest (``_step_done``).
         self.unit_step = None
         self._state_dict_hooks = []
-        if (self.host_step is not None and self.host_step.pipeline is not None
+        if (self.host_step is not None and self.host_step.pipeline is not None and config.zenflow is None
                 and config.accum_dtype == torch.float32):
             self.unit_step = UnitStep(self)
             geometry.folder.barrier = self.host_step.finish
@@ -164,6 +166,9 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                                                pieces=lambda stage: stage.unit_step.speculative_pieces(),
                                                staged_targets=self._host_shards)
         self._gather_persistent()
+        # ZenFlow (``runtime/zenflow``) replaces the step: the top columns on the device every step, the rest on the
+        # host once per window.
+        self.zenflow = ZenFlowStep(self, config.zenflow, UnitIO(self)) if config.zenflow is not None else None
 
     @property
     def grad_parts(self):
@@ -202,6 +207,10 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self):
+        if self.zenflow is not None:
+            with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
+                self.zenflow.step()
+            return
         if self.unit_step is not None:
             with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
                 grad_scale = self._take_grad_scale()
@@ -232,7 +241,10 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def refresh_16bit(self):
         """After the masters changed (a step, a load): the 16-bit shards, then re-gather the persistent units."""
         self._step_done()
-        if self.host_step is not None and self._host_shards:
+        if getattr(self, "zenflow", None) is not None:  # its host step writes buffers of its own, not the shards
+            self.host_step.fresh = False
+            self.zenflow.io.apply_host()
+        elif self.host_step is not None and self._host_shards:
             if not self.host_step.fresh:  # the step writes the host shards itself
                 self.host_step.refresh(before_write=self.fetch)
             self.host_step.fresh = False
@@ -249,6 +261,32 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     def after_forward(self):
         self.coordinator.end_of_first_forward()
+
+    # ---------------------------------------------------------------- ZenFlow
+    def finish_window(self):
+        super().finish_window()
+        if self.zenflow is not None:
+            self.zenflow.before_step()
+
+    def scale_grads(self, coef):
+        if self.zenflow is not None:  # ZenFlow applies the coefficient to what each part reads
+            self.zenflow.set_clip(coef)
+        else:
+            super().scale_grads(coef)
+
+    def set_epoch_length(self, steps):
+        if self.zenflow is not None:
+            self.zenflow.set_steps_per_epoch(steps)
+
+    def extra_state(self):
+        return self.zenflow.export_state() if self.zenflow is not None else None
+
+    def load_extra_state(self, state):
+        if self.zenflow is not None:
+            if state is None:
+                self.zenflow.reset()
+            else:
+                self.zenflow.import_state(state)
 
     def compiled(self):
         self.coordinator.reinstall_hooks()
@@ -267,6 +305,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def release(self):
         if self.speculative is not None:
             self.speculative.close()
+        if getattr(self, "zenflow", None) is not None:
+            self.zenflow.close()
         for handle in self._state_dict_hooks:
             handle.remove()
         self._state_dict_hooks = []
@@ -283,6 +323,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         super()._masters_current()
         if self.host_step is not None:
             self.host_step.sync_host()
+        if getattr(self, "zenflow", None) is not None:
+            self.zenflow.sync_masters()
 
     # ------------------------------------------------------------- accessors
     def _shard_of(self, buffer, param):
@@ -351,6 +393,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             write_shard_from_full(param, value)
             if param.ds_status == ZeroParamStatus.AVAILABLE:
                 param.data.copy_(value)
+        if self.zenflow is not None:
+            self.zenflow.masters_changed()
 
     def params_modified(self, param):
         """``param.ds_tensor`` was rewritten (GatheredParameters with a modifier): refresh its master."""

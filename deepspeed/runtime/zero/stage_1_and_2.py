@@ -25,6 +25,7 @@ bucket by bucket.
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.zenflow.stage_io import PartitionedIO
 from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
 from deepspeed.runtime.zero.checkpoint_partitioned import PartitionedCheckpoint
 from deepspeed.runtime.zero.offload_step import HostStep
@@ -94,7 +95,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                                          and config.accum_dtype == torch.float32):
             self.release()
             raise NotImplementedError(NEEDS_PIPELINED_STEP)
-        self.zenflow = ZenFlowStep(self, config.zenflow) if config.zenflow is not None else None
+        self.zenflow = ZenFlowStep(self, config.zenflow, PartitionedIO(self)) if config.zenflow is not None else None
         self._forward_waits = PieceWaits(self, module) if self._pipelined() and self.world_size == 1 else None
         if self._pipelined():
             geometry.folder.barrier = self.host_step.finish  # the next backward writes what the step reads

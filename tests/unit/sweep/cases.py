@@ -23,7 +23,8 @@ key                 meaning
                     (two ``engine.backward`` calls over one retained graph)
 ``compile``         None, or "torch" (``torch.compile(model)`` before ``initialize``, the "eager" backend:
                     dynamo's graphs and graph breaks around the hooks, without inductor's compile time)
-``zenflow``         None, or the ``zenflow`` section (stages 1-2, optimizer offload, fp32, Adam)
+``zenflow``         None, or the ``zenflow`` section (stages 1-2, optimizer offload, fp32, Adam; ``steps`` then
+                    counts ZenFlow steps, one per micro-batch whatever ``gas``; stage 3: tests/unit/zenflow)
 ``steps``           optimizer steps
 ==================  ==========================================================================================
 

@@ -6,8 +6,8 @@
 formula for the gradient) run alongside; at every boundary each reported gradient (``safe_get_full_grad``) and,
 after the step, the global norm and each fp32 parameter (``safe_get_full_fp32_param``) must equal it.
 
-:func:`run_zenflow` (ZenFlow cases) trains with AdamW and returns, per step, the parameters and, per selection,
-the selected rows; it checks the plain-torch model of the algorithm (``tests/unit/zenflow/reference.py``) on the
+:func:`run_zenflow` (ZenFlow cases) trains with AdamW and returns, per ZenFlow step, the parameters and, per selection,
+the selected columns; it checks the plain-torch model of the algorithm (``tests/unit/zenflow/reference.py``) on the
 way. The test compares a world-``W`` run with the world-1 run over the same global batches.
 """
 
@@ -158,16 +158,25 @@ def run_against_torch(case):
     return checked
 
 
+def gathered(engine, stage):
+    """The model's parameters as the next forward computes with them (ZeRO-3: gathered)."""
+    import deepspeed
+    if stage != 3:
+        return dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
 def run_zenflow(case, data_world):
     """Train the ZenFlow ``case`` at this pool's world size on ``data_world`` ranks' worth of data (each rank takes
-    its share of every global micro-batch); returns ``dict(params=[per step], selections=[(step, rows)])`` and
-    checks the plain-torch model of the algorithm after every step."""
+    its share of every global micro-batch); returns ``dict(params=[per ZenFlow step], selections=[(step, columns)])``
+    and checks the plain-torch model of the algorithm after every step."""
     import deepspeed
     import deepspeed.comm as dist
     from tests.unit.zenflow.reference import ZenFlowReference
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = data_world // world
-    widths, gas, zf = case["widths"], case["gas"], case["zenflow"]
+    widths, zf = case["widths"], case["zenflow"]
     torch.manual_seed(0)
     model = build_mlp(widths)
     ref = ZenFlowReference(dict(model.named_parameters()),
@@ -184,28 +193,26 @@ def run_zenflow(case, data_world):
     names = {p: n for n, p in engine.module.named_parameters()}
     params, selections = [], []
     try:
-        for step in range(case["steps"]):
-            batches = [[make_batch(widths, r, step * gas + m) for r in range(data_world)] for m in range(gas)]
+        for at in range(case["steps"]):  # every micro-batch is a ZenFlow step (the host window replaces accumulation)
+            micro = [make_batch(widths, r, at) for r in range(data_world)]
             probe = copy.deepcopy(model)
             with torch.no_grad():
                 for n, p in probe.named_parameters():
                     p.copy_(ref.Q[n])
-            for micro in batches:
-                for x, y in micro:
-                    (mse(probe(x), y) / (gas * data_world)).backward()
+            for x, y in micro:
+                (mse(probe(x), y) / data_world).backward()
             selected_before = zenflow.selected_at
-            for micro in batches:
-                mine = micro[rank * per_rank:(rank + 1) * per_rank]
-                engine.backward(mse(engine(torch.cat([b[0] for b in mine])), torch.cat([b[1] for b in mine])))
-                engine.step()
+            mine = micro[rank * per_rank:(rank + 1) * per_rank]
+            engine.backward(mse(engine(torch.cat([b[0] for b in mine])), torch.cat([b[1] for b in mine])))
+            engine.step()
             ref.step({n: p.grad for n, p in probe.named_parameters()})
             if zenflow.selected_at != selected_before:
-                rows = {names[p]: r.tolist() for p, r in zenflow.selection.selected_rows().items()}
-                assert rows == {n: r.tolist() for n, r in ref.rows.items()}, f"step {step}: {rows} != {ref.rows}"
-                selections.append((step, rows))
-            values = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+                cols = {names[p]: c.tolist() for p, c in zenflow.selection.selected_columns().items()}
+                assert cols == {n: c.tolist() for n, c in ref.cols.items()}, f"step {at}: {cols} != {ref.cols}"
+                selections.append((at, cols))
+            values = {n: p.detach().clone() for n, p in gathered(engine, case["stage"]).items()}
             for n, v in values.items():
-                torch.testing.assert_close(v, ref.Q[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} {n}: {m}")
+                torch.testing.assert_close(v, ref.Q[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"step {at} {n}: {m}")
             params.append(values)
     finally:
         engine.destroy()

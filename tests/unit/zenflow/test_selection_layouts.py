@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ZenFlow's row selection over every layout of partitions, in one process (no collectives).
+"""ZenFlow's column selection over every layout of partitions, in one process (no collectives).
 
 For a model and a bucket size, the ``W`` ranks' :class:`PartitionedLayout` objects are built side by side (a layout
 is a pure function of the parameters, the bucket size, ``W`` and the rank). Each rank's partitions are cut from one
-full-space gradient; the all-reduce is the sum of the ranks' row-norm vectors. Checked against plain torch on the
+full-space gradient; the all-reduce is the sum of the ranks' column-norm vectors. Checked against plain torch on the
 whole gradient:
 
-* every rank's row-norm vector has the same length (the all-reduce would abort or mix weights otherwise);
-* their sum is every row's squared norm, weight by weight;
-* after the selection, the elements the ranks gather together are exactly the selected rows of every weight and
+* every rank's column-norm vector has the same length (the all-reduce would abort or mix weights otherwise);
+* their sum is every column's L1 norm, weight by weight;
+* after the selection, the elements the ranks gather together are exactly the selected columns of every weight and
   every parameter of fewer than two dimensions, each once, and scatter puts them back where they came from.
 
 Chosen layouts (a weight only some ranks hold, a piece inside one row, parameters smaller than the world) and
@@ -21,7 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from deepspeed.runtime.zenflow.selection import RowSelection, rows_selected
+from deepspeed.runtime.zenflow.selection import ColumnSelection, columns_selected
+from deepspeed.runtime.zenflow.stage_io import partitioned_pieces
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
 
 
@@ -48,41 +49,45 @@ def check_layouts(model, bucket, world, topk, seed=0, two_groups=False):
     full = torch.zeros(layouts[0].numel)
     for p in layouts[0].params:
         layouts[0].full_view(full, p).copy_(torch.randn(p.shape, generator=gen))
-    selections = [RowSelection(layout, topk, "cpu") for layout in layouts]
+    selections = [
+        ColumnSelection([(p, tuple(p.shape))
+                         for p in layout.params], partitioned_pieces(layout), layout.num_groups, topk, "cpu")
+        for layout in layouts
+    ]
     parts = [rank_partitions(layout, full) for layout in layouts]
 
-    vectors = [sel.row_sq_norms(part) for sel, part in zip(selections, parts)]
+    vectors = [sel.column_norms(part) for sel, part in zip(selections, parts)]
     assert len({v.numel() for v in vectors}) == 1, [v.numel() for v in vectors]
     summed = torch.stack(vectors).sum(0)
-    expected_rows = {}
+    expected_cols = {}
     at = 0
     for p in layouts[0].params:
         if p.dim() < 2:
             continue
         g = layouts[0].full_view(full, p).reshape(p.shape[0], -1)
-        want = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64)**2
-        torch.testing.assert_close(summed.narrow(0, at, p.shape[0]).double(), want, rtol=1e-5, atol=1e-6)
-        k = rows_selected(p.shape[0], topk)
-        expected_rows[p] = torch.topk(want, k).indices.sort().values
-        at += p.shape[0]
+        want = g.abs().double().sum(0)
+        torch.testing.assert_close(summed.narrow(0, at, g.shape[1]).double(), want, rtol=1e-5, atol=1e-6)
+        k = columns_selected(g.shape[1], topk)
+        expected_cols[p] = torch.topk(want, k).indices.sort().values
+        at += g.shape[1]
     assert at == summed.numel() or (at == 0 and summed.numel() == 1)
 
     # the selection each rank would make from the reduced vector (the same one everywhere)
     for sel, part in zip(selections, parts):
-        sel.row_sq_norms = lambda _parts, summed=summed: summed.clone()
+        sel.column_norms = lambda _parts, summed=summed: summed.clone()
         sel.select(part)
-        chosen = sel.selected_rows()
-        assert set(chosen) == set(expected_rows)
-        for p, rows in chosen.items():
-            assert torch.equal(rows, expected_rows[p]), (tuple(p.shape), rows, expected_rows[p])
+        chosen = sel.selected_columns()
+        assert set(chosen) == set(expected_cols)
+        for p, cols in chosen.items():
+            assert torch.equal(cols, expected_cols[p]), (tuple(p.shape), cols, expected_cols[p])
 
     # what the ranks gather, scattered back into an empty full space, is the selected elements, each once
     covered = torch.zeros(layouts[0].numel)
     rebuilt = torch.zeros(layouts[0].numel)
     for sel, part in zip(selections, parts):
         buffers = sel.gather(part, sel.new_buffers())
-        sel.scatter(buffers, rebuilt, space="full")
-        sel.scatter([torch.ones_like(b) for b in buffers], covered, space="full")
+        sel.scatter(buffers, [rebuilt] * len(buffers), at="target")
+        sel.scatter([torch.ones_like(b) for b in buffers], [covered] * len(buffers), at="target")
         marked = [torch.zeros_like(q) for q in part]  # the partition-space scatter touches as many elements
         sel.scatter([torch.ones_like(b) for b in buffers], marked)
         assert sum(float(m.sum()) for m in marked) == sum(sel.numel)
@@ -92,7 +97,7 @@ def check_layouts(model, bucket, world, topk, seed=0, two_groups=False):
         if p.dim() < 2:
             view.fill_(1.0)
         else:
-            view.reshape(p.shape[0], -1)[expected_rows[p]] = 1.0
+            view.reshape(p.shape[0], -1)[:, expected_cols[p]] = 1.0
     assert torch.equal(covered, want_mask)
     assert torch.equal(rebuilt, full * want_mask)
     assert sum(sum(sel.numel) for sel in selections) == int(want_mask.sum())

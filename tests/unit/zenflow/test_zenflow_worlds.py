@@ -3,12 +3,12 @@
 
 With the default bucket size every parameter is in one bucket, so the first weights of the layout are held by
 rank 0 only and a later weight is split between ranks, often inside a row. For the MLPs of the report (ZeRO-2,
-CPU offload, ``topk_ratio`` 0.1, windows of 2 steps, a selection every 2, ``overlap_step``, micro-batch 8, GAS 2,
-8 steps), each run at world ``W`` is compared with
+CPU offload, ``topk_ratio`` 0.1, windows of 2 steps, a selection every 2, ``overlap_step``, micro-batch 8, GAS 2
+in the config, 8 x 2 ZenFlow steps: one per micro-batch), each run at world ``W`` is compared with
 
 * the world-1 run of the same algorithm over the same global batches (the ``W`` ranks' micro-batches
   concatenated): every selection, on every rank, is the world-1 selection; the parameters after every step agree;
-* ``tests/unit/zenflow/reference.py`` (plain torch, whole tensors): its selected rows and its parameters.
+* ``tests/unit/zenflow/reference.py`` (plain torch, whole tensors): its selected columns and its parameters.
 
 Adam's ``eps`` is 1e-4 here, not 1e-8: with the window's mean gradient of an element near 1e-8 (two steps that
 cancel), Adam's first step ``g / (|g| + eps)`` turns the reduction's rounding (1e-10) into 1e-4 of the learning
@@ -66,21 +66,21 @@ def config(world_total, world, zenflow, bucket):
     }
 
 
-def reference_grads(model, values, batches):
-    """The window's mean gradient at ``values`` over every rank's micro-batches (plain torch)."""
+def reference_grads(model, values, micro):
+    """One micro-step's mean gradient at ``values`` over every rank's micro-batch (plain torch)."""
     probe = copy.deepcopy(model)
     with torch.no_grad():
         for n, p in probe.named_parameters():
             p.copy_(values[n])
-    for micro in batches:
-        for x, y in micro:
-            (F.mse_loss(probe(x), y) / (GAS * len(micro))).backward()
+    for x, y in micro:
+        (F.mse_loss(probe(x), y) / len(micro)).backward()
     return {n: p.grad for n, p in probe.named_parameters()}
 
 
 def train_and_record(widths, world_total, zenflow, bucket):
-    """Train at this pool's world size on ``world_total`` ranks' worth of data; returns, per step, the parameters
-    and, per selection, the selected rows (name -> list); checks the plain-torch reference on the way."""
+    """Train at this pool's world size on ``world_total`` ranks' worth of data; returns, per ZenFlow step, the
+    parameters and, per selection, the selected columns (name -> list); checks the plain-torch reference on the
+    way."""
     import deepspeed
     import deepspeed.comm as dist
     from tests.unit.zenflow.reference import ZenFlowReference
@@ -105,24 +105,25 @@ def train_and_record(widths, world_total, zenflow, bucket):
     selections, params = [], []
     try:
         for step in range(STEPS):
-            batches = [global_micro_batch(widths, world_total, step, m) for m in range(GAS)]
-            grads = reference_grads(model, ref.Q, batches)
-            before = zf.selected_at
-            for micro in batches:
+            for m in range(GAS):
+                micro = global_micro_batch(widths, world_total, step, m)
+                grads = reference_grads(model, ref.Q, micro)
+                before = zf.selected_at
                 mine = micro[rank * per_rank:(rank + 1) * per_rank]
                 x = torch.cat([b[0] for b in mine])
                 y = torch.cat([b[1] for b in mine])
                 engine.backward(F.mse_loss(engine(x), y))
                 engine.step()
-            ref.step(grads)
-            if zf.selected_at != before:
-                rows = {by_engine_param[p]: r.tolist() for p, r in zf.selection.selected_rows().items()}
-                assert rows == {n: r.tolist() for n, r in ref.rows.items()}, f"step {step}: {rows} != {ref.rows}"
-                selections.append((step, rows))
-            values = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-            for n, v in values.items():
-                torch.testing.assert_close(v, ref.Q[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} {n}: {m}")
-            params.append(values)
+                ref.step(grads)
+                at = step * GAS + m
+                if zf.selected_at != before:
+                    cols = {by_engine_param[p]: c.tolist() for p, c in zf.selection.selected_columns().items()}
+                    assert cols == {n: c.tolist() for n, c in ref.cols.items()}, f"step {at}: {cols} != {ref.cols}"
+                    selections.append((at, cols))
+                values = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+                for n, v in values.items():
+                    torch.testing.assert_close(v, ref.Q[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"step {at} {n}: {m}")
+                params.append(values)
     finally:
         engine.destroy()
     return dict(selections=selections, params=params, held=held)
@@ -166,7 +167,7 @@ def test_selection_and_training_equal_world_one(case):
     if bucket is None and world == 2 and len(SHAPES[shape]) > 2:
         # the layout of the report: some parameter is held by one rank only
         assert set(results[0]["held"]) != set(results[1]["held"]), [r["held"] for r in results]
-    assert len(single["selections"]) == STEPS // ZENFLOW["select_interval"]
+    assert len(single["selections"]) == STEPS * GAS // ZENFLOW["select_interval"]
     for rank, result in enumerate(results):
         assert result["selections"] == single["selections"], f"rank {rank}"
         for step, (got, want) in enumerate(zip(result["params"], single["params"])):
