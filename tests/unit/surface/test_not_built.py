@@ -40,7 +40,6 @@ NOT_BUILT = [
     ("deepspeed.utils.pin_memory", "NativePinnedMemory", lambda c: c(), "native pinned memory"),
     ("deepspeed.ops.adam", "ZenFlowSelectiveAdamW_stage3", lambda c: c([torch.nn.Parameter(torch.ones(1))]),
      "ZeRO stage 3"),
-    ("deepspeed.ops.aio", "AsyncIOBuilder", lambda c: c().load(), "async_io"),
     ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", lambda c: c(None, None, None), "deepspeed.initialize"),
     ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer", lambda c: c(None), "deepspeed.initialize"),
     ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", lambda c: c(None), "deepspeed.initialize"),
