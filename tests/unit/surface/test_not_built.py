@@ -11,13 +11,6 @@ import torch
 NOT_BUILT = [
     ("deepspeed.runtime.progressive_layer_drop", "ProgressiveLayerDrop", lambda c: c(theta=0.5, gamma=0.001),
      "progressive layer dropping"),
-    ("deepspeed.runtime.swap_tensor.partitioned_param_swapper", "AsyncPartitionedParameterSwapper",
-     lambda c: c({}, torch.float16), "NVMe"),
-    ("deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper", "PartitionedOptimizerSwapper",
-     lambda c: c({}, {}, None, None, None, None), "NVMe"),
-    ("deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper", "PipelinedOptimizerSwapper", lambda c: c(), "NVMe"),
-    ("deepspeed.runtime.swap_tensor.async_swapper", "AsyncTensorSwapper", lambda c: c(None, None, None), "NVMe"),
-    ("deepspeed.runtime.swap_tensor.utils", "SwapBufferPool", lambda c: c([]), "NVMe"),
     ("deepspeed.runtime.tensor_parallel", "TpTrainingManager", lambda c: c(None, 2), "tensor parallelism"),
     ("deepspeed.runtime.tensor_parallel.init_utils", "tp_model_init", lambda f: f(None, 2, torch.float16),
      "tensor parallelism"),
