@@ -16,7 +16,7 @@ import torch
 
 from deepspeed.ops.aio.backends import AsyncIOError
 from deepspeed.runtime.swap_tensor.paged_store import PagedStore
-from deepspeed.runtime.swap_tensor.swap_folder import SwapFolder
+from deepspeed.runtime.swap_tensor.swap_folder import SwapFolder, check_nvme_path
 
 
 class DiskTierError(RuntimeError):
@@ -30,6 +30,7 @@ class DiskTier:
     def __init__(self, config, folder_path, table, fields, groups=None, pin=False, file_stem="group{g}.{field}"):
         self.config = config
         self.table = table
+        check_nvme_path(config.nvme_path, config.key)  # a missing mount point is not created: it names a device
         self.folder = SwapFolder(folder_path, config.key)
         self.io = None
         try:
