@@ -4,3 +4,4 @@ throughput on a folder; ``ds_nvme_tune`` sweeps its settings and prints the ``ai
 fastest (docs/offload.md)."""
 
 from .ds_io import ds_io_main, measure  # noqa: F401
+from .tune import generate_main, main as nvme_tune_main, parse_sweep_arguments, sweep_main  # noqa: F401

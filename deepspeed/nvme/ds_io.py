@@ -168,5 +168,10 @@ def ds_io_main(argv=None):
     return 0
 
 
+def main(argv=None):
+    """The ``ds_io`` command (its exit status)."""
+    return ds_io_main(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(ds_io_main())
+    sys.exit(main())
