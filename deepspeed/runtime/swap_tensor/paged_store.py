@@ -129,7 +129,11 @@ _DONE = None
 
 
 class _Entry:
-    """A page's place in the cache."""
+    """A page's place in the cache.
+
+    ``write`` is the page's last write-back, kept after the page leaves the cache: until it completed, the file does
+    not hold the page, so a read of it (or a newer write) waits for it first.
+    """
 
     __slots__ = ("slot", "refs", "last_use", "read", "write", "busy", "ready")
 
@@ -138,9 +142,18 @@ class _Entry:
         self.refs = 0
         self.last_use = 0
         self.read = None  # _Ticket of the read that fills the slot
-        self.write = None  # _Ticket of the last write-back
+        self.write = None  # _Ticket of the last write-back (see the class docstring)
         self.busy = []  # copies still reading the slot
         self.ready = None  # threading.Event: the slot is claimed and its read (if any) submitted
+
+
+class _Evicted:
+    """What still uses the slot of an evicted page: its read, its write-back and the copies reading it."""
+
+    __slots__ = ("read", "write", "busy")
+
+    def __init__(self, entry):
+        self.read, self.write, self.busy = entry.read, entry.write, entry.busy
 
 
 class PagedStore:
@@ -207,7 +220,8 @@ class PagedStore:
     def _victim_locked(self, for_prefetch):
         """A slot to (re)use: a free one, else the least recently used unpinned page's (None if there is none).
 
-        Returns ``(slot, evicted_entry)``; a prefetch takes only a slot whose page has no I/O or copy in flight.
+        Returns ``(slot, evicted)`` (an :class:`_Evicted`, or None for a free slot); a prefetch takes only a slot whose
+        page has no I/O or copy in flight.
         """
         if self._free:
             return self._free.pop(), None
@@ -224,9 +238,12 @@ class PagedStore:
             return None, None
         page = self._owner[best]
         entry = self._entries[page]
+        evicted = _Evicted(entry)
         entry.slot = None
+        entry.read = None
+        entry.busy = []
         self._owner[best] = None
-        return best, entry
+        return best, evicted
 
     @staticmethod
     def _idle(entry):
@@ -234,22 +251,21 @@ class PagedStore:
                 and all(copy.done() for copy in entry.busy))
 
     @staticmethod
-    def _drain(entry):
-        """Wait for everything that still reads or fills an evicted page's slot. A failed write-back raises (the
-        disk does not hold the page: nothing may read it back); a failed read only dropped a copy."""
+    def _drain(evicted):
+        """Wait for everything that still reads or fills an evicted page's slot (an :class:`_Evicted`). A failed
+        write-back raises (the disk does not hold the page: nothing may read it back); a failed read only dropped a
+        copy."""
         try:
-            if entry.read is not None:
+            if evicted.read is not None:
                 try:
-                    entry.read.wait()
+                    evicted.read.wait()
                 except Exception:
                     pass  # the page is evicted: nobody uses what the read left in the slot
-            if entry.write is not None:
-                entry.write.wait()
+            if evicted.write is not None:
+                evicted.write.wait()
         finally:
-            for copy in entry.busy:
+            for copy in evicted.busy:
                 copy.synchronize()
-            entry.read = entry.write = None
-            entry.busy = []
 
     def _claim(self, page, read, for_prefetch=False):
         """Put ``page`` in a slot (with the lock held on entry and exit). Returns False when a prefetch found no
@@ -265,8 +281,9 @@ class PagedStore:
         entry.slot = slot
         self._owner[slot] = page
         entry.ready = threading.Event()
-        entry.read = entry.write = None
+        entry.read = None
         entry.busy = []
+        prior_write = entry.write  # the page's own last write-back: the file holds the page once it completed
         self._lock.release()
         try:
             if evicted is not None:
@@ -275,6 +292,8 @@ class PagedStore:
                 if not self.written[page]:
                     path = self._files[(self.table.pages[page][0], next(iter(self.fields)))]
                     raise RuntimeError(f"paged store: page {page} of {path} is read before it was ever written")
+                if prior_write is not None:
+                    prior_write.wait()
                 entry.read = self._submit(False, page, slot)
         except BaseException:
             self._lock.acquire()
@@ -359,6 +378,8 @@ class PagedStore:
                 entry = self._entries[page]
                 if entry.slot is not None or not self.written[page]:
                     continue
+                if entry.write is not None and not entry.write.idle():
+                    continue  # its write-back is still in flight: reading it now would wait
                 entry.last_use = next(self._tick)
                 if not self._claim(page, True, for_prefetch=True):
                     return
@@ -378,7 +399,8 @@ class PagedStore:
                 if entry.refs:
                     raise RuntimeError(f"paged store: page {page} is still pinned")
                 if entry.slot is not None:
-                    self._drain(entry)
+                    self._drain(_Evicted(entry))
+                    entry.read, entry.busy = None, []
                     self._forget_locked(page)
 
     def cached_pages(self):

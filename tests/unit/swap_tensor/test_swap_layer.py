@@ -233,3 +233,58 @@ def test_upstream_swap_helpers(tmp_path):
         assert torch.equal(back, tensor)
     with pytest.raises(ValueError, match="new_cpu_locked_tensor"):
         SwapBufferPool([torch.empty(3)[1:]], handle)
+
+
+class _SlowWrites:
+    """An aio engine whose writes complete only when ``release`` is set (reads run at once)."""
+
+    def __init__(self, io):
+        self.io = io
+        self.release = threading.Event()
+        self.writes = set()
+
+    def submit(self, write, *args):
+        request = self.io.submit(write, *args)
+        if write:
+            self.writes.add(request)
+        return request
+
+    def wait_op(self, request_id):
+        if request_id in self.writes:
+            self.release.wait(10)
+        self.io.wait_op(request_id)
+
+    def is_done(self, request_id):
+        return (request_id not in self.writes or self.release.is_set()) and self.io.is_done(request_id)
+
+
+def test_evicted_page_is_read_after_its_write(io, tmp_path):
+    slow = _SlowWrites(io)
+    table = PageTable([[(0, 8)], [(0, 8)]], 4)  # pages 0, 1 (group 0), 2, 3 (group 1)
+    files = {(g, f): str(tmp_path / f"w{g}.{f}.tensor.swp") for g in range(2) for f in FIELDS}
+    store = PagedStore(table, FIELDS, files, slow, 2, pin=False)
+    slow.release.set()
+    _fill(store, table, _values(table, 4))
+    store.flush()
+    slow.release.clear()
+    view = store.acquire(0, modify=True)
+    view.fields["a"].fill_(7)
+    store.release(0, dirty=True)  # its write waits for ``release``
+    store.release(store.acquire(3).index)  # page 0 is now the least recently used
+    evicting = threading.Thread(target=lambda: store.release(store.acquire(1).index))  # evicts page 0: waits
+    evicting.start()
+    evicting.join(0.2)
+    got = {}
+
+    def reread():  # page 0 again, in the other slot: the file holds it only once its write completed
+        got["a"] = store.acquire(0).fields["a"].clone()
+        store.release(0)
+
+    reading = threading.Thread(target=reread)
+    reading.start()
+    reading.join(0.2)
+    assert evicting.is_alive() and reading.is_alive()
+    slow.release.set()
+    evicting.join(10)
+    reading.join(10)
+    assert torch.equal(got["a"], torch.full((4, ), 7.0))
