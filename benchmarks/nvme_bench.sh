@@ -22,23 +22,24 @@
 #
 # Files in OUT: summary.md (everything below, in tables), disk.md, mechanisms.md, ours.jsonl, upstream.jsonl,
 # cpu_offload.jsonl, log.txt. The libaio packages are unpacked under /tmp/libaio (never into /) and reach upstream's
-# JIT build through CPATH, LIBRARY_PATH, CFLAGS, LDFLAGS and LD_LIBRARY_PATH. NVME_DIR (default /tmp/nvme_bench)
-# is the folder on the disk; STEPS (2) timed steps after WARMUP (1); T_* are the sections' time limits (s: 60 + 50 +
-# 150 + 190 + 60, plus about 15 s of set-up).
+# JIT build through CPATH, LIBRARY_PATH, CFLAGS, LDFLAGS and LD_LIBRARY_PATH. NVME_DIR (default
+# /var/tmp/nvme_bench: on the disk, where /tmp may be a tmpfs) is the folder the runs swap into; the summary names its
+# file system. STEPS (2) timed steps after WARMUP (1); T_* are the sections' time limits (s: 45 + 35 + 170 + 200 +
+# 50, plus about 15 s of set-up).
 # A larger model, one that fills host memory without NVMe (18 bytes an element with CPU offload: 7e9 parameters for
 # 128 GiB), needs about 100 GB of swap files: more than this machine's 64 GiB disk, so it is not run here.
 set -u
 WHEELS=${1:?upstream wheels folder}
 DEBS=${2:?libaio .deb folder}
 OUT=${3:?output folder}
-NVME_DIR=${NVME_DIR:-/tmp/nvme_bench}
+NVME_DIR=${NVME_DIR:-/var/tmp/nvme_bench}
 STEPS=${STEPS:-2}
 WARMUP=${WARMUP:-1}
-T_DISK=${T_DISK:-60}
-T_MECH=${T_MECH:-50}
-T_OURS=${T_OURS:-150}
-T_UPSTREAM=${T_UPSTREAM:-190}
-T_CPU=${T_CPU:-60}
+T_DISK=${T_DISK:-45}
+T_MECH=${T_MECH:-35}
+T_OURS=${T_OURS:-170}
+T_UPSTREAM=${T_UPSTREAM:-200}
+T_CPU=${T_CPU:-50}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/ext}
 mkdir -p "$OUT" "$NVME_DIR"
@@ -51,7 +52,8 @@ elapsed() { echo $(($(date +%s) - start)); }
 {
     echo "# NVMe offload benchmark: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores"
     echo
-    echo "- kernel $(uname -r); NVME_DIR $NVME_DIR on $(df -h "$NVME_DIR" | tail -1 | awk '{print $1 " (" $2 ", " $4 " free)"}')"
+    echo "- kernel $(uname -r); NVME_DIR $NVME_DIR on $(df -hT "$NVME_DIR" | tail -1 | awk '{print $1 " (" $2 ", " $3 ", " $5 " free)"}')"
+    if [ "$(df --output=fstype "$NVME_DIR" | tail -1)" = tmpfs ]; then echo "- WARNING: NVME_DIR is a tmpfs (memory)"; fi
     echo "- python3 $(python3 -c 'import torch, sys; print(sys.version.split()[0], "torch", torch.__version__)')"
 } >"$SUMMARY"
 
