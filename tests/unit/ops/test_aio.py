@@ -102,6 +102,19 @@ def test_pieces_compose_one_file(backend, tmp_path, dtype):
     assert torch.equal(torch.cat(pieces).view(torch.uint8), whole.view(torch.uint8))
 
 
+def test_write_to_an_open_descriptor(backend, tmp_path):
+    handle = _handle(backend)
+    data = _random(5000, torch.uint8, seed=9)
+    fd = os.open(tmp_path / "fd.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert handle.async_pwrite(data, fd, 4096) == 0
+        assert handle.wait() == 1
+        os.fstat(fd)  # still open: the caller's descriptor is never closed
+        assert os.pread(fd, 5000, 4096) == data.numpy().tobytes()
+    finally:
+        os.close(fd)
+
+
 def test_locked_tensors_and_memcpy(backend):
     handle = _handle(backend)
     example = torch.empty(0, dtype=torch.bfloat16)
