@@ -24,7 +24,7 @@
 # cpu_offload.jsonl, log.txt. The libaio packages are unpacked under /tmp/libaio (never into /) and reach upstream's
 # JIT build through CPATH, LIBRARY_PATH, CFLAGS, LDFLAGS and LD_LIBRARY_PATH. NVME_DIR (default
 # /var/tmp/nvme_bench: on the disk, where /tmp may be a tmpfs) is the folder the runs swap into; the summary names its
-# file system. STEPS (2) timed steps after WARMUP (1); T_* are the sections' time limits (s: 45 + 35 + 170 + 200 +
+# file system. STEPS (2) timed steps after WARMUP (1); T_* are the sections' time limits (s: 45 + 35 + 150 + 220 +
 # 50, plus about 15 s of set-up).
 # A larger model, one that fills host memory without NVMe (18 bytes an element with CPU offload: 7e9 parameters for
 # 128 GiB), needs about 100 GB of swap files: more than this machine's 64 GiB disk, so it is not run here.
@@ -37,8 +37,8 @@ STEPS=${STEPS:-2}
 WARMUP=${WARMUP:-1}
 T_DISK=${T_DISK:-45}
 T_MECH=${T_MECH:-35}
-T_OURS=${T_OURS:-170}
-T_UPSTREAM=${T_UPSTREAM:-200}
+T_OURS=${T_OURS:-150}
+T_UPSTREAM=${T_UPSTREAM:-220}
 T_CPU=${T_CPU:-50}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/ext}
