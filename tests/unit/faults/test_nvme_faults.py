@@ -122,6 +122,7 @@ def _equal_to_host_offload(tmp):
     rank = dist.get_rank()
     host = _engine(_config(opt="cpu", param="cpu"))
     want = _train(host, rank, 0, 3)
+    host.optimizer.state_dict()  # the last step, overlapping the next forward, completes
     params = [p.detach().clone() for p in host.optimizer.stage.masters]
     host.destroy()
     path = os.path.join(tmp, "nvme")
