@@ -241,15 +241,21 @@ def test_aio_inject_fault_env(monkeypatch, backend, tmp_path):
 
 def test_ds_io_and_nvme_tune(tmp_path, capsys):
     from deepspeed.nvme import ds_io_main, nvme_tune_main
-    assert ds_io_main(["--folder", str(tmp_path), "--io_size", "256K", "--loops", "1", "--warmup_loops", "0",
-                       "--validate", "--json"]) == 0
+    assert ds_io_main([
+        "--folder",
+        str(tmp_path), "--io_size", "256K", "--loops", "1", "--warmup_loops", "0", "--validate", "--json"
+    ]) == 0
     out = capsys.readouterr().out
     assert "Write speed:" in out and "Read  speed:" in out and '"direct_refused": 0' in out
     assert ds_io_main(["--folder", str(tmp_path / "missing"), "--io_size", "1M"]) == 2
     sweep = tmp_path / "sweep.json"
     sweep.write_text('{"block_size": ["64K"], "queue_depth": [1, 4], "intra_op_parallelism": [1]}')
-    assert nvme_tune_main(["--nvme_dir", str(tmp_path), "--io_size", "256K", "--sweep_config", str(sweep),
-                           "--log_dir", str(tmp_path / "logs")]) == 0
+    assert nvme_tune_main([
+        "--nvme_dir",
+        str(tmp_path), "--io_size", "256K", "--sweep_config",
+        str(sweep), "--log_dir",
+        str(tmp_path / "logs")
+    ]) == 0
     out = capsys.readouterr().out
     assert out.count("| " + str(tmp_path) + " | 65536 |") == 2 and '"aio": {' in out and "best read" in out
     assert not [f for f in os.listdir(tmp_path) if f.startswith("ds_io_")]  # the measurement files are removed
