@@ -288,3 +288,32 @@ def test_evicted_page_is_read_after_its_write(io, tmp_path):
     evicting.join(10)
     reading.join(10)
     assert torch.equal(got["a"], torch.full((4, ), 7.0))
+
+
+def test_aio_section_reaches_the_tiers():
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+    from deepspeed.runtime.zero.stages import StageConfig
+    zero = {
+        "stage": 3,
+        "sub_group_size": 123,
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": "/x"
+        },
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": "/y",
+            "buffer_size": 77,
+            "max_in_cpu": 770
+        }
+    }
+    for aio, lanes in (({"thread_count": 3}, 3), ({"intra_op_parallelism": 5, "queue_depth": 16}, 5), ({}, 1)):
+        cfg = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "aio": aio})
+        stage = StageConfig.from_ds_config(cfg, torch.bfloat16)
+        assert stage.offload_optimizer == stage.offload_param == "cpu"  # the host tier under the disk tier
+        for tier in (stage.optimizer_swap, stage.param_swap):
+            assert tier.aio.intra_op_parallelism == lanes and tier.aio.queue_depth == aio.get("queue_depth", 8)
+        assert (stage.optimizer_swap.page_numel, stage.optimizer_swap.buffer_count) == (123, 4)
+        assert (stage.param_swap.page_numel, stage.param_swap.slots(77)) == (77, 10)
+        assert get_aio_config({"aio": aio})["intra_op_parallelism"] == lanes
