@@ -132,8 +132,17 @@ def test_honoured_keys():
     }):
         with pytest.raises(DeepSpeedConfigError, match="data_types.param_dtype"):
             _build(fragment)
-    nvme = {Z: {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"},
-                "offload_param": {"device": "nvme", "nvme_path": "/x"}}, "aio": {"block_size": 1048576}}
+    nvme_device = {"device": "nvme", "nvme_path": "/x"}
+    nvme = {
+        Z: {
+            "stage": 3,
+            "offload_optimizer": nvme_device,
+            "offload_param": nvme_device
+        },
+        "aio": {
+            "block_size": 4096
+        }
+    }
     assert not [m for m in _warnings_of(nvme) if "no effect" in m]  # NVMe offload and its aio section are built
     cfg = _build({"seq_parallel_communication_data_type": "fp32"})
     assert cfg.seq_parallel_communication_data_type == torch.float32
