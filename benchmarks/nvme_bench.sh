@@ -99,9 +99,9 @@ fi
 rm -rf /tmp/upstream
 timeout -k 5 60 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream "$WHEELS"/*.whl \
     >>"$LOG" 2>&1 || die "installing upstream's wheels from '$WHEELS' failed (log.txt)"
-if [ "$DEBS" != - ] && ls "$DEBS"/*.deb >/dev/null 2>&1; then
+if [ "$DEBS" != - ] && ls "$DEBS"/*.deb >/dev/null 2>&1 && command -v dpkg >/dev/null; then
     mkdir -p /tmp/libaio
-    for deb in "$DEBS"/*.deb; do dpkg -x "$deb" /tmp/libaio || die "cannot unpack $deb"; done
+    for deb in "$DEBS"/*.deb; do dpkg -x "$deb" /tmp/libaio >>"$LOG" 2>&1 || say "cannot unpack $deb"; done
     AIO_LIB=$(dirname "$(find /tmp/libaio -name 'libaio.so*' | head -1)")
     export CPATH=/tmp/libaio/usr/include${CPATH:+:$CPATH}
     export LIBRARY_PATH=$AIO_LIB${LIBRARY_PATH:+:$LIBRARY_PATH}
@@ -109,7 +109,7 @@ if [ "$DEBS" != - ] && ls "$DEBS"/*.deb >/dev/null 2>&1; then
     export CFLAGS="-I/tmp/libaio/usr/include ${CFLAGS:-}" LDFLAGS="-L$AIO_LIB ${LDFLAGS:-}"
     echo "- libaio unpacked from $DEBS: $(ls "$AIO_LIB" | tr '\n' ' ')" >>"$SUMMARY"
 else
-    echo "- libaio: no packages given; the system's, if any" >>"$SUMMARY"
+    echo "- libaio: no packages unpacked (none given, or no dpkg); the system's, if any" >>"$SUMMARY"
 fi
 # which deepspeed each side imports, from a neutral folder (a '' entry on sys.path must not pick this tree up)
 WHICH='import os, deepspeed; print("=>", deepspeed.__version__, os.path.dirname(os.path.abspath(deepspeed.__file__)))'
