@@ -203,6 +203,8 @@ setup(
             "deepspeed = deepspeed.launcher.runner:main",
             "ds = deepspeed.launcher.runner:main",
             "ds_report = deepspeed.env_report:cli_main",
+            "ds_io = deepspeed.nvme.ds_io:main",
+            "ds_nvme_tune = deepspeed.nvme.tune:main",
         ],
     },
     classifiers=[

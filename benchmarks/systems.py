@@ -12,6 +12,9 @@ memory can be freed). ``hp`` holds ``micro_batch``, ``gas``, ``lr``, ``weight_de
   ``engine.step`` steps at the boundary. Modifiers after the name: ``+offload`` puts the optimizer on the host
   (``offload_optimizer: {device: cpu}``, and on stage 3 the parameters too: ``offload_param``), ``+zenflow``
   adds a ``zenflow`` section to that (``hp["zenflow"]``); ``hp["pin_memory"]`` sets both sections' ``pin_memory``.
+  ``+nvme`` puts the optimizer state (and on stage 3 the parameters) on NVMe instead: ``device: nvme`` with
+  ``nvme_path`` ``hp["nvme_path"]``, the page and buffer sizes of :data:`NVME_SECTIONS` (the same keys mean the same
+  to upstream's ZeRO-Infinity; ``--ds-extra`` overrides them).
 * ``fsdp2``: ``fully_shard`` on every block and on the root, bf16 compute with fp32 gradient reduction, fp32
   sharded parameters; the loss is divided by GAS by hand and gradients are reduced every micro-step (the default).
 * ``ddp``: fp32 parameters under ``torch.autocast(bfloat16)``, ``no_sync`` on every micro-step but the last.
@@ -26,7 +29,31 @@ import torch
 from benchmarks.gpt import lm_loss
 
 SYSTEMS = ("ds_zero0", "ds_zero1", "ds_zero2", "ds_zero3", "fsdp2", "ddp")
-MODIFIERS = ("offload", "zenflow")
+MODIFIERS = ("offload", "zenflow", "nvme")
+
+# What ``+nvme`` adds, besides ``device`` and ``nvme_path``: upstream needs ``buffer_size`` to hold the largest
+# parameter (the reference model's tied embedding: 50304 x 2048 = 1.03e8 elements) and ``sub_group_size`` well
+# under its default (it pins ``buffer_count x sub_group_size`` fp32 elements for the optimizer swap).
+NVME_SECTIONS = {
+    "sub_group_size": int(1e8),
+    "offload_optimizer": {
+        "buffer_count": 4,
+        "pipeline_read": False,
+        "pipeline_write": False
+    },
+    "offload_param": {
+        "buffer_count": 5,
+        "buffer_size": int(2e8),
+        "max_in_cpu": int(1e9)
+    },
+    "aio": {
+        "block_size": 1048576,
+        "queue_depth": 32,
+        "intra_op_parallelism": 2,
+        "single_submit": False,
+        "overlap_events": True
+    },
+}
 
 
 def split_name(name):
@@ -93,6 +120,21 @@ class DeepSpeedSystem:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
             if stage == 3 and "zenflow" not in mods:
                 zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        if "nvme" in mods:
+            path = hp.get("nvme_path")
+            if not path:
+                raise ValueError("+nvme needs --nvme-path (a writable folder on the NVMe device)")
+            zero["sub_group_size"] = NVME_SECTIONS["sub_group_size"]
+            zero["offload_optimizer"] = dict(NVME_SECTIONS["offload_optimizer"],
+                                             device="nvme",
+                                             nvme_path=path,
+                                             pin_memory=pin)
+            if stage == 3:
+                zero["offload_param"] = dict(NVME_SECTIONS["offload_param"],
+                                             device="nvme",
+                                             nvme_path=path,
+                                             pin_memory=pin)
+            config["aio"] = dict(NVME_SECTIONS["aio"])
         if "zenflow" in mods:
             zero["zenflow"] = dict(hp.get("zenflow") or {})
         _merge(config, hp.get("ds_extra") or {})

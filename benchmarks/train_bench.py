@@ -41,6 +41,7 @@ if _REPO_ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks import host_rss  # noqa: E402
 from benchmarks.gpt import GPT, GPTConfig, count_params, flops_per_token  # noqa: E402
 from benchmarks.systems import MODIFIERS, SYSTEMS, make_system, split_name  # noqa: E402
 
@@ -92,6 +93,7 @@ def parse_args(argv=None):
                         dest="pin_memory",
                         action="store_false",
                         help="+offload/+zenflow: offload sections with pin_memory false (default true)")
+    parser.add_argument("--nvme-path", default=None, help="+nvme: the folder on the NVMe device (nvme_path)")
     parser.add_argument("--zenflow-topk", type=float, default=0.1, help="+zenflow: topk_ratio")
     parser.add_argument("--zenflow-update-interval", default="4", help="+zenflow: update_interval (int or auto)")
     parser.add_argument("--zenflow-select-strategy", default="auto", help="+zenflow: select_strategy")
@@ -187,12 +189,17 @@ def bench_system(name, args, cfg, data, device):
               unit_size=int(args.unit_size),
               ds_extra=args.ds_extra,
               pin_memory=args.pin_memory,
+              nvme_path=args.nvme_path,
               zenflow=zenflow_section(args))
     torch.manual_seed(SEED)
+    host_rss.reset()
     with torch.device(device):
         model = GPT(cfg)
     system = make_system(name, model, hp, device)
     del model
+    gc.collect()
+    setup_rss = host_rss.peak()
+    sampler = host_rss.Sampler()
     # Building a system (an fp32 model on the device, then each system's own copies) has its own
     # peak; training's peak is measured separately from here on.
     setup_peak = None
@@ -214,14 +221,18 @@ def bench_system(name, args, cfg, data, device):
                 print(json.dumps(dict(step_of=name, step=len(losses), loss=losses[-1], time_s=step_times[-1])),
                       flush=True)
         peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+        train_rss = sampler.stop()
         if args.idle_steps > 0:
             idle = measure_idle(name, system, data[-args.idle_steps:], device, args.profile_dir)
         # super_offload: steps speculated, kept and rolled back (with reasons), or None
         speculative = getattr(getattr(getattr(system, "engine", None), "optimizer", None), "speculative_stats", None)
         speculative = json.loads(json.dumps(speculative)) if speculative is not None else None
     finally:
+        sampler.stop()
         system.close()
     return dict(step_times=step_times,
+                host_rss_gib=train_rss,
+                host_setup_rss_gib=setup_rss,
                 losses=losses,
                 grad_norms=grad_norms,
                 speculative_stats=speculative,
@@ -341,6 +352,9 @@ def run_one(name, args, cfg, data, device, world):
                final_loss=losses[-1])
     if device.type == "cuda":
         row["peak_mem_gib"] = max(g[0]["peak_mem_gib"] for g in gathered)
+    for key in ("host_rss_gib", "host_setup_rss_gib"):  # peak resident host memory of a rank's process
+        values = [g[0].get(key) for g in gathered if g[0].get(key) is not None]
+        row[key] = max(values) if values else None
     idles = [g[0]["idle"] for g in gathered if g[0].get("idle")]
     if idles:
         row["gpu_idle_fraction"] = max(i["idle_fraction"] for i in idles)
@@ -356,9 +370,9 @@ def render(rows, header):
     """The markdown report: the header lines, then one table row per system."""
     lines = list(header) + [
         "",
-        "| system | status | median step (s) | tokens/s | MFU | peak mem/rank (GiB) | setup peak (GiB) | GPU idle "
-        "| first loss | final loss |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| system | status | median step (s) | tokens/s | MFU | peak mem/rank (GiB) | setup peak (GiB) | host RSS "
+        "(GiB) | GPU idle | first loss | final loss |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row.get('error', '')}"
@@ -366,8 +380,8 @@ def render(rows, header):
         lines.append(f"| {row['system']} | {status} | {_fmt(row.get('median_step_s'), '.3f')} | "
                      f"{_fmt(row.get('tokens_per_s'), ',.0f')} | {_fmt(row.get('mfu'), '.1%')} | "
                      f"{_fmt(row.get('peak_mem_gib'), '.2f')} | {_fmt(row.get('setup_peak_mem_gib'), '.2f')} | "
-                     f"{_fmt(row.get('gpu_idle_fraction'), '.1%')} | {_fmt(row.get('first_loss'), '.4f')} | "
-                     f"{_fmt(row.get('final_loss'), '.4f')} |")
+                     f"{_fmt(row.get('host_rss_gib'), '.2f')} | {_fmt(row.get('gpu_idle_fraction'), '.1%')} | "
+                     f"{_fmt(row.get('first_loss'), '.4f')} | {_fmt(row.get('final_loss'), '.4f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -391,7 +405,9 @@ def describe(args, cfg, world, device, n_params, n_matmul, fpt):
         f"(all parameters but the position embedding), L = {cfg.n_layers}, d = {cfg.d_model}, seq = {cfg.seq}: "
         f"{fpt / 1e9:.2f} GFLOP per token",
         "- peak mem: torch.cuda.max_memory_allocated, max over ranks, during training (reset after the system is "
-        "built); setup peak: while building it",
+        "built); setup peak: while building it; host RSS: the peak resident memory of a rank's process during "
+        "training (sampled every 20 ms; the process's peak while building the system is in the JSON, "
+        "host_setup_rss_gib)",
     ]
 
 

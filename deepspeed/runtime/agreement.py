@@ -22,6 +22,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.config_utils import DeepSpeedConfigError
+from deepspeed.runtime.swap_tensor.swap_folder import nvme_path_verdict
 
 CHUNK = 256  # entries per chunk digest when locating the first differing parameter
 
@@ -89,6 +90,8 @@ def config_fingerprint(config, has_optimizer):
         "config key 'gradient_clipping'": float(config.gradient_clipping),
         "config key 'optimizer.type'": config.optimizer_name,
         "whether an optimizer was given (client or config)": bool(has_optimizer),
+        # a folder one rank cannot use would fail its stage's construction alone, after the others went on
+        "whether each rank can use its NVMe offload folder (config key 'nvme_path')": nvme_path_verdict(zero),
     }
 
 

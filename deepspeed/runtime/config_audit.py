@@ -4,8 +4,8 @@
 Every key or section upstream DeepSpeed acts on is either honoured here or listed below, so that a config never
 asks for something the run silently does without:
 
-* :data:`NOT_BUILT`: the feature changes what training computes (tensor parallelism, NVMe offload,
-  quantized or compressed training, ...). A config that asks for it raises ``NotImplementedError`` naming the key.
+* :data:`NOT_BUILT`: the feature changes what training computes (tensor parallelism, quantized or
+  compressed training, ...). A config that asks for it raises ``NotImplementedError`` naming the key.
   ``DeepSpeedConfig`` runs the check when it is built, which ``deepspeed.initialize`` does on every rank before
   any collective, so every rank raises the same error and nothing hangs.
 * :data:`NO_EFFECT`: the key only tunes speed or memory (the optimizer still sees the exact gradient), or upstream
@@ -48,10 +48,6 @@ def _given(value) -> bool:
     return value not in (None, {}, [], False)
 
 
-def _nvme(value) -> bool:
-    return isinstance(value, str) and value.strip().lower() == "nvme"
-
-
 def _above_one(value) -> bool:
     try:
         return not isinstance(value, bool) and float(value) > 1
@@ -86,13 +82,9 @@ def _reduced_precision(value) -> bool:
 
 
 NOT_BUILT = (
-    # tensor parallelism and NVMe offload are being built: each lifts its own rows
+    # tensor parallelism is being built: it lifts its own row
     Row("tensor_parallel", _tensor_parallel, "tensor parallelism (AutoTP, tensor_parallel.autotp_size > 1)",
         "training would run as plain data parallelism; remove the section or set autotp_size to 1"),
-    Row("zero_optimization.offload_optimizer.device", _nvme, "NVMe offload (offload_optimizer.device 'nvme')",
-        "use device 'cpu'"),
-    Row("zero_optimization.offload_param.device", _nvme, "NVMe offload (offload_param.device 'nvme')",
-        "use device 'cpu'"),
     # features upstream has, or had, that change what training computes
     Row("amp", _section_enabled, "NVIDIA Apex AMP (amp.enabled; upstream 0.19 removed it too)",
         "use 'fp16', 'bf16' or 'torch_autocast'"),
@@ -117,10 +109,6 @@ NOT_BUILT = (
 )
 
 NO_EFFECT = (
-    Row(
-        "aio", _given, "the 'aio' section",
-        "it configures NVMe offload's file I/O, which is not built; without NVMe offload it has no effect, as "
-        "upstream's"),
     Row("sparse_gradients", _enabled, "sparse_gradients",
         "embedding gradients are reduced dense, to the same values (upstream 0.19 refuses the key)"),
     Row("graph_harvesting", _enabled, "graph_harvesting", "a speed option (upstream 0.19 refuses the key)"),

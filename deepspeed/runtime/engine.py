@@ -191,7 +191,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                    params,
                                    dict(cfg.optimizer_params or {}),
                                    self.device.type,
-                                   cpu_optimizer=self._offload_optimizer_device() == "cpu")
+                                   cpu_optimizer=self._offload_optimizer_device() in ("cpu", "nvme"))
         if isinstance(client_optimizer, torch.optim.Optimizer):
             return client_optimizer
         if callable(client_optimizer):

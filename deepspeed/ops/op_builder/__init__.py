@@ -1,21 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 """Op builders, by upstream's class names: ``from deepspeed.ops.op_builder import CPUAdamBuilder``.
 
-``CPUAdamBuilder`` (the host Adam op) and ``GradOpsBuilder`` (the gradient pipeline's CUDA kernels) build real
-ops; every other upstream builder is here so that code probing for it works, and reports itself not compatible
-(``deepspeed.ops.op_builder.unsupported``). ``ALL_OPS`` maps op names to builder instances. The package imports
-nothing but the standard library at import time, so ``setup.py`` loads it without importing ``deepspeed``.
+``CPUAdamBuilder`` (the host Adam op), ``GradOpsBuilder`` (the gradient pipeline's CUDA kernels) and
+``AsyncIOBuilder`` (asynchronous file I/O, the disk tier of offload) build real ops; every other upstream builder is
+here so that code probing for it works, and reports itself not compatible (``deepspeed.ops.op_builder.unsupported``).
+``ALL_OPS`` maps op names to builder instances. The package imports nothing but the standard library at import time,
+so ``setup.py`` loads it without importing ``deepspeed``.
 """
 
 from .all_ops import ALL_OPS, BUILT_BUILDERS, prebuild_selection  # noqa: F401
+from .async_io import AsyncIOBuilder  # noqa: F401
 from .builder import (  # noqa: F401
     CUDAOpBuilder, OpBuilder, TorchCPUOpBuilder, UnsupportedOpBuilder, get_default_compute_capabilities)
 from .cpu_adam import CPUAdamBuilder  # noqa: F401
 from .grad_ops import GradOpsBuilder  # noqa: F401
 from .torch_ops import FusedAdamBuilder, TorchImplementedOpBuilder  # noqa: F401
 from .unsupported import (  # noqa: F401
-    AsyncIOBuilder, CPUAdagradBuilder, CPULionBuilder, DeepCompileBuilder, EvoformerAttnBuilder, FPQuantizerBuilder,
-    FusedLambBuilder, FusedLionBuilder, GDSBuilder, InferenceBuilder, InferenceCoreBuilder, InferenceCutlassBuilder,
+    CPUAdagradBuilder, CPULionBuilder, DeepCompileBuilder, EvoformerAttnBuilder, FPQuantizerBuilder, FusedLambBuilder,
+    FusedLionBuilder, GDSBuilder, InferenceBuilder, InferenceCoreBuilder, InferenceCutlassBuilder,
     NotImplementedBuilder, QuantizerBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, RandomLTDBuilder, SparseAttnBuilder,
     SpatialInferenceBuilder, StochasticTransformerBuilder, TransformerBuilder)
 

@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """``ALL_OPS``: every op builder by op name, the ones built here first."""
 
+from .async_io import AsyncIOBuilder
 from .builder import UnsupportedOpBuilder
 from .cpu_adam import CPUAdamBuilder
 from .grad_ops import GradOpsBuilder
 from .torch_ops import TORCH_BUILDERS
 from .unsupported import UNSUPPORTED_BUILDERS
 
-BUILT_BUILDERS = [CPUAdamBuilder, GradOpsBuilder]
+BUILT_BUILDERS = [CPUAdamBuilder, GradOpsBuilder, AsyncIOBuilder]
 TORCH_OP_NAMES = {builder.NAME for builder in TORCH_BUILDERS}
 """The ops this package builds (prebuilt by ``DS_BUILD_OPS=1``, JIT otherwise)."""
 

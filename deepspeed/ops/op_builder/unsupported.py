@@ -9,17 +9,11 @@ with the reason below, and raises NotImplementedError from ``load()``. docs/comp
 from .builder import UnsupportedOpBuilder
 
 
-class AsyncIOBuilder(UnsupportedOpBuilder):
-    NAME = "async_io"
-    BUILD_VAR = "DS_BUILD_AIO"
-    REASON = (
-        "asynchronous NVMe I/O (the aio config section, NVMe offload) is not supported; offload goes to CPU memory")
-
-
 class GDSBuilder(UnsupportedOpBuilder):
     NAME = "gds"
     BUILD_VAR = "DS_BUILD_GDS"
-    REASON = "GPUDirect Storage (NVMe offload) is not supported; offload goes to CPU memory"
+    REASON = ("GPUDirect Storage is not supported; NVMe offload reads and writes through pinned host buffers "
+              "(the async_io op)")
 
 
 class FusedLambBuilder(UnsupportedOpBuilder):
@@ -137,8 +131,8 @@ class NotImplementedBuilder(UnsupportedOpBuilder):
 
 
 UNSUPPORTED_BUILDERS = [
-    AsyncIOBuilder, GDSBuilder, FusedLambBuilder, FusedLionBuilder, CPUAdagradBuilder, CPULionBuilder,
-    EvoformerAttnBuilder, FPQuantizerBuilder, QuantizerBuilder, RandomLTDBuilder, SparseAttnBuilder,
-    TransformerBuilder, StochasticTransformerBuilder, InferenceBuilder, SpatialInferenceBuilder, InferenceCoreBuilder,
+    GDSBuilder, FusedLambBuilder, FusedLionBuilder, CPUAdagradBuilder, CPULionBuilder, EvoformerAttnBuilder,
+    FPQuantizerBuilder, QuantizerBuilder, RandomLTDBuilder, SparseAttnBuilder, TransformerBuilder,
+    StochasticTransformerBuilder, InferenceBuilder, SpatialInferenceBuilder, InferenceCoreBuilder,
     InferenceCutlassBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, DeepCompileBuilder, NotImplementedBuilder
 ]

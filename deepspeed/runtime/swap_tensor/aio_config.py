@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """``get_aio_config(param_dict)``: the ``aio`` section with upstream's defaults filled in (a plain dict).
 
-The values configure NVMe swapping, which is not built here; they are parsed so configs written for upstream
-load. ``use_gds`` needs a CUDA accelerator."""
+The values configure the aio handles of NVMe offload (``swap_config.aio_settings`` reads the engine's parsed copy).
+``thread_count``, the old name of ``intra_op_parallelism``, is taken when the new one is absent. ``use_gds`` needs a
+CUDA accelerator (and is not supported by NVMe offload here)."""
 
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.swap_tensor.constants import (AIO, AIO_BLOCK_SIZE, AIO_BLOCK_SIZE_DEFAULT,
@@ -27,6 +28,8 @@ def get_aio_config(param_dict):
     if section is None:
         return dict(AIO_DEFAULT_DICT)
     config = {key: section.get(key, default) for key, default in AIO_DEFAULT_DICT.items()}
+    if AIO_INTRA_OP_PARALLELISM not in section and "thread_count" in section:
+        config[AIO_INTRA_OP_PARALLELISM] = section["thread_count"]
     if config[AIO_USE_GDS] and get_accelerator().device_name().split(":")[0] != "cuda":
         raise ValueError("aio.use_gds needs a CUDA accelerator")
     return config

@@ -1,10 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Upstream's ZeRO-3 parameter swapper (NVMe): not built. ``PartitionedParamStatus`` is upstream's enum of a
-swapped parameter's state; constructing ``AsyncPartitionedParameterSwapper`` raises ``NotImplementedError``."""
+"""Upstream's ZeRO-3 parameter swapper names. ``AsyncPartitionedParameterSwapper`` is this package's parameter tier,
+:class:`~deepspeed.runtime.swap_tensor.param_swap.ParamShardSwap` (built by the ZeRO-3 stage with
+``offload_param.device: nvme``; its constructor is this package's, ``(stage, page_table, swap_config, rank)``), so
+``isinstance`` checks and type hints written for upstream see the object the engine holds
+(``engine.optimizer.stage.param_tier``). ``PartitionedParamStatus`` is upstream's enum of a swapped parameter's state.
+"""
 
 from enum import Enum
 
-from deepspeed.runtime.not_built import not_built_class
+from deepspeed.runtime.swap_tensor.param_swap import ParamShardSwap
 
 
 class PartitionedParamStatus(Enum):
@@ -13,6 +17,4 @@ class PartitionedParamStatus(Enum):
     INFLIGHT = 3  # the partition is being read
 
 
-AsyncPartitionedParameterSwapper = not_built_class("AsyncPartitionedParameterSwapper",
-                                                   "NVMe parameter swapping",
-                                                   module=__name__)
+AsyncPartitionedParameterSwapper = ParamShardSwap

@@ -13,7 +13,7 @@ Rules resolved here, so consumers see final values:
   ``offload_param`` section on the CPU (``cpu_offload_use_pin_memory`` sets its ``pin_memory``);
 - ``stage3_gather_fp16_weights_on_model_save`` is the old name of
   ``stage3_gather_16bit_weights_on_model_save``;
-- partial (``ratio < 1``) and NVMe optimizer offload require stage 3.
+- partial (``ratio < 1``) optimizer offload requires stage 3.
 """
 
 import dataclasses
@@ -171,9 +171,6 @@ class DeepSpeedZeroConfig(ConfigSection):
             if offload_optimizer.ratio < 1.0:
                 raise DeepSpeedConfigError(f"config key '{key}.ratio' < 1 (partial offload) requires "
                                            f"'{path}.stage' 3, got stage {stage}")
-            if offload_optimizer.device == OffloadDeviceEnum.nvme:
-                raise DeepSpeedConfigError(f"config key '{key}.device' 'nvme' requires '{path}.stage' 3, "
-                                           f"got stage {stage}; use 'cpu' or 'none'")
         offload_param = values.get("offload_param")
         if (offload_param is not None and offload_param.device != OffloadDeviceEnum.none
                 and stage != ZeroStageEnum.weights):

@@ -75,9 +75,13 @@ class HostStep:
                  cores_perc=0.8,
                  threads=None,
                  targets=None,
-                 device_ranges=None):
+                 device_ranges=None,
+                 disk=None,
+                 page_table=None,
+                 rank=0):
         self.optimizer = optimizer
         self.masters = masters
+        self.group_numel = [m.numel() for m in masters]  # the masters' sizes (a swapped-out master's data is empty)
         self.model_dtype = model_dtype
         self.device = torch.device(device)
         self.threads = int(threads) if threads else cores_for(cores_perc)
@@ -89,6 +93,17 @@ class HostStep:
         self._reading = DONE  # the last copy that reads the targets
         self.fresh = False  # the targets hold the masters' current values
         self.pipeline = StepPipeline(self) if StepPipeline.supported(self) else None
+        self.swap = None  # the optimizer tier (offload_optimizer.device nvme): masters and moments on disk
+        self.shard_tier = None  # ZeRO-3's parameter tier (offload_param.device nvme), when the targets are its shards
+        if disk is not None:
+            if self.pipeline is None:
+                logger.warning(
+                    "offload_optimizer.device 'nvme' needs the pipelined host step (DeepSpeedCPUAdam on the "
+                    "host Adam op, a 16-bit model, DS_OFFLOAD_OVERLAP not 0): the optimizer state stays in "
+                    "host memory")
+            else:
+                from deepspeed.runtime.swap_tensor.optimizer_swap import OptimizerStateSwap
+                self.swap = OptimizerStateSwap(self, page_table, disk, rank)
         self.share = None  # partial offload: the ranges the device steps (``device_ranges``, DeviceShare)
         if device_ranges:
             if self.pipeline is None:
@@ -102,9 +117,12 @@ class HostStep:
         return {g: self.optimizer.state[m] for g, m in enumerate(self.masters) if self.optimizer.state.get(m)}
 
     def sync_host(self):
-        """Before the host masters or moments are read or written outside a step: the step completes, and a
-        device share's values are copied down (the next step uploads them again)."""
+        """Before the host masters or moments are read or written outside a step: the step completes, the optimizer
+        tier's state is read back into host tensors, and a device share's values are copied down (the next step
+        uploads them again)."""
         self.finish()
+        if self.swap is not None:
+            self.swap.swap_in()
         if self.share is not None:
             self.share.sync_host(self._states())
 
@@ -145,8 +163,13 @@ class HostStep:
             self.pipeline.wait_through(index)
 
     def close(self):
-        if self.pipeline is not None:
-            self.pipeline.close()
+        try:
+            if self.pipeline is not None:
+                self.pipeline.close()
+        finally:
+            if self.swap is not None:
+                self.swap.close()
+                self.swap = None
 
     def _target_groups(self, optimizer):
         return [[self.targets[g]] if group["params"] else [] for g, group in enumerate(optimizer.param_groups)]
@@ -175,8 +198,8 @@ class HostStep:
         self.wait_readers(before_write)
         if self.pipeline is not None and optimizer is self.optimizer:
             pieces = [
-                StepPiece(g, lo, hi - lo, on_device=dev) for g, m in enumerate(self.masters)
-                for lo, hi, dev in self._device_pieces(g, 0, m.numel())
+                StepPiece(g, lo, hi - lo, on_device=dev) for g, numel in enumerate(self.group_numel)
+                for lo, hi, dev in self._device_pieces(g, 0, numel)
             ]
             with ds_range("DS::host_step"):
                 self.pipeline.launch(pieces, grad_scale)
@@ -184,6 +207,8 @@ class HostStep:
             return
         if grad_scale != 1.0:
             raise ValueError("HostStep.step: a gradient scale needs the pipelined step (fuses_clip)")
+        if self.swap is not None:  # another optimizer steps the whole partition: it reads the host tensors
+            self.swap.swap_in()
         with ds_range("DS::host_step"), threads(threads_n or self.threads):
             if self._fused_copy:
                 optimizer.step(fp16_param_groups=self._target_groups(optimizer))

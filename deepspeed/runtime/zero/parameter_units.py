@@ -56,6 +56,9 @@ from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.transport import DEFAULT_TRANSPORT, wait
 from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
+# Units past the prefetched one whose shards a read-ahead callback is given (NVMe parameter offload reads them).
+READ_AHEAD_UNITS = 2
+
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"  # only the shards exist; the parameters' ``.data`` are empty
@@ -103,8 +106,9 @@ class UnitCoordinator:
     :class:`~deepspeed.runtime.zero.transfers.Transfer`) completed.
     """
 
-    def __init__(self, module, units, send_chunk_fn, pipeline, group, device, transport=None):
+    def __init__(self, module, units, send_chunk_fn, pipeline, group, device, transport=None, read_ahead=None):
         self.module = module
+        self._read_ahead = read_ahead  # called with the next units along the trace (NVMe reads start early)
         self.units = units
         self._send_chunk = send_chunk_fn
         self.pipeline = pipeline
@@ -395,11 +399,19 @@ class UnitCoordinator:
         position = self._position.get(unit.index)
         if position is None:
             return
-        nxt = position + 1 if forward else position - 1
+        direction = 1 if forward else -1
+        nxt = position + direction
         if 0 <= nxt < len(self._trace):
             candidate = self._trace[nxt]
             if candidate.state is UnitState.SHARDED and not candidate.persistent:
                 self._launch_gather(candidate)
+        if self._read_ahead is not None:
+            ahead = [
+                self._trace[i] for i in range(nxt + direction, nxt + direction * (1 + READ_AHEAD_UNITS), direction)
+                if 0 <= i < len(self._trace)
+            ]
+            if ahead:
+                self._read_ahead(ahead)
 
 
 def _leaf_params(module, wanted):

@@ -33,6 +33,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.zenflow.stage_io import UnitIO
 from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
+from deepspeed.utils.logging import logger
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.checkpoint_stage3 import Stage3Checkpoint
 from deepspeed.runtime.zero.device_share import device_ranges
@@ -46,7 +47,7 @@ from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, m
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import UnitGeometry
 from deepspeed.runtime.zero.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
-from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
+from deepspeed.runtime.zero.stage_base import ZeroStage, global_rank, trainable_groups
 from deepspeed.runtime.zero.transfers import DONE, pinned
 from deepspeed.runtime.zero.unit_step import UnitStep
 from deepspeed.utils.timer import OPTIMIZER_STEP_TIMER
@@ -141,9 +142,18 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                                       pin_memory=config.pin_memory,
                                       cores_perc=config.cpu_cores_perc,
                                       targets=self.shards[:num_groups] if host_shards and not config.zenflow else None,
-                                      device_ranges=device_ranges(self.masters, config.offload_ratio))
+                                      device_ranges=device_ranges(self.masters, config.offload_ratio),
+                                      disk=config.optimizer_swap,
+                                      page_table=self._page_table(),
+                                      rank=global_rank())
             self._host_shards = host_shards
-        self.coordinator = UnitCoordinator(module, units, self._send_chunk, self.pipeline, group, device)
+        self.coordinator = UnitCoordinator(module,
+                                           units,
+                                           self._send_chunk,
+                                           self.pipeline,
+                                           group,
+                                           device,
+                                           read_ahead=self._read_ahead if config.param_swap is not None else None)
         # The pipelined host step overlaps the next forward (``unit_step.py``); whatever else reads or writes
         # what it touches completes it first: the next backward's folds into the gradient partitions (their
         # barrier), state_dict (a pre-hook on every module), the accessors and the rest (``_step_done``).
@@ -169,6 +179,40 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         # ZenFlow (``runtime/zenflow``) replaces the step: the top columns on the device every step, the rest on the
         # host once per window.
         self.zenflow = ZenFlowStep(self, config.zenflow, UnitIO(self)) if config.zenflow is not None else None
+        # NVMe parameter offload (``param_swap.py``): the 16-bit shards go to disk, gathers read them page by page.
+        self.param_tier = None
+        if config.param_swap is not None:
+            if self.host_step is not None and self.host_step.pipeline is None:
+                logger.warning("offload_param.device 'nvme' needs the pipelined host step (DeepSpeedCPUAdam on the "
+                               "host Adam op, a 16-bit model, DS_OFFLOAD_OVERLAP not 0): the parameter shards stay "
+                               "in host memory")
+            else:
+                from deepspeed.runtime.swap_tensor.param_swap import ParamShardSwap
+                self.param_tier = ParamShardSwap(self, self._page_table(), config.param_swap, global_rank())
+                if self.host_step is not None:
+                    self.host_step.shard_tier = self.param_tier
+                self.param_tier.swap_out()
+
+    def _page_table(self):
+        """The pages of the disk tiers (``device: nvme``): each unit's segment of each group (the frozen parameters
+        last), cut to the smaller page size of the two tiers; one table, so both number a page alike."""
+        config = self.config
+        sizes = [c.page_numel for c in (config.optimizer_swap, config.param_swap) if c is not None]
+        if not sizes:
+            return None
+        if getattr(self, "_pages", None) is None:
+            from deepspeed.runtime.swap_tensor.paged_store import PageTable
+            layout = self.layout
+            pieces = [[] for _ in range(layout.num_groups + 1)]
+            for unit in self.units:
+                for g, part_offset, _, length in layout.segments[unit.index]:
+                    pieces[g].append((part_offset, length))
+            self._pages = PageTable(pieces, min(sizes))
+        return self._pages
+
+    def _read_ahead(self, units):
+        if self.param_tier is not None and not self.param_tier.resident:
+            self.param_tier.read_ahead_units(units)
 
     @property
     def grad_parts(self):
@@ -184,6 +228,9 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         """
         if self.unit_step is not None:
             self.unit_step.wait_for(unit)
+        tier = getattr(self, "param_tier", None)
+        if tier is not None and not tier.resident:
+            return tier.fetch_row(unit, out)
         segments = self.layout.segments[unit.index]
         pieces = [self.sources[g].narrow(0, part_offset, length) for g, part_offset, _, length in segments]
         if self.fetch is None:
@@ -207,6 +254,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self):
+        if self.param_tier is not None:  # something made the shards resident since the last step: to disk first
+            self.param_tier.swap_out()
         if self.zenflow is not None:
             with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
                 self.zenflow.step()
@@ -240,6 +289,22 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     @torch.no_grad()
     def refresh_16bit(self):
         """After the masters changed (a step, a load): the 16-bit shards, then re-gather the persistent units."""
+        tier = self.param_tier
+        if tier is not None and not tier.resident:  # the shards stay on disk: the masters' values go to their pages
+            if self.host_step is not None:
+                self.host_step.finish()
+                if not self.host_step.fresh:  # the step did not write them itself
+                    self.host_step.sync_host()
+                    for g, master in enumerate(self.masters):
+                        tier.write_from(g, master.data)
+                self.host_step.fresh = False
+            else:
+                for g, master in enumerate(self.masters):
+                    tier.write_from(g, master.data)
+            tier.finish_writes()
+            self.coordinator.release_all()
+            self._gather_persistent()
+            return
         self._step_done()
         if getattr(self, "zenflow", None) is not None:  # its host step writes buffers of its own, not the shards
             self.host_step.fresh = False
@@ -293,9 +358,11 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     def _step_done(self):
         """Before the 16-bit shards, the masters or the moments are read or written outside a gather: an
-        overlapped step still running completes (a no-op otherwise)."""
+        overlapped step still running completes, and shards on disk are read back into host tensors."""
         if self.host_step is not None:
             self.host_step.finish()
+        if getattr(self, "param_tier", None) is not None:
+            self.param_tier.swap_in()
 
     shards_current = _step_done  # what ``GatheredParameters`` calls before it reads or writes ``ds_tensor``
 
@@ -311,8 +378,13 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             handle.remove()
         self._state_dict_hooks = []
         self.coordinator.remove_hooks()
-        if self.host_step is not None:
-            self.host_step.close()
+        try:
+            if self.host_step is not None:
+                self.host_step.close()
+        finally:
+            if getattr(self, "param_tier", None) is not None:
+                self.param_tier.close()
+                self.param_tier = None
         super().release()
 
     def checkpoint(self):
@@ -325,6 +397,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             self.host_step.sync_host()
         if getattr(self, "zenflow", None) is not None:
             self.zenflow.sync_masters()
+        if getattr(self, "param_tier", None) is not None:
+            self.param_tier.swap_in()  # checkpoints and accessors read the 16-bit shards too
 
     # ------------------------------------------------------------- accessors
     def _shard_of(self, buffer, param):

@@ -35,7 +35,7 @@ from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, m
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import PartitionGeometry
 from deepspeed.runtime.zero.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
-from deepspeed.runtime.zero.stage_base import ZeroStage, trainable_groups
+from deepspeed.runtime.zero.stage_base import ZeroStage, global_rank, trainable_groups
 from deepspeed.utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER
 
 
@@ -89,7 +89,10 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                                       model_dtype,
                                       self.device,
                                       pin_memory=config.pin_memory,
-                                      cores_perc=config.cpu_cores_perc)
+                                      cores_perc=config.cpu_cores_perc,
+                                      disk=config.optimizer_swap,
+                                      page_table=self._page_table(),
+                                      rank=global_rank())
 
         if config.super_offload and not (self.host_step is not None and self.host_step.pipeline is not None
                                          and config.accum_dtype == torch.float32):
@@ -101,6 +104,16 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
             geometry.folder.barrier = self.host_step.finish  # the next backward writes what the step reads
             if config.super_offload:  # the step starts in the boundary backward (its own folder hooks)
                 self.speculative = SpeculativeStep(self)
+
+    def _page_table(self):
+        """The disk tier's pages (``offload_optimizer.device: nvme``): each bucket's chunk, cut to page size."""
+        config = self.config
+        if config.optimizer_swap is None:
+            return None
+        from deepspeed.runtime.swap_tensor.paged_store import PageTable
+        layout = self.layout
+        pieces = [[(b.part_offset, b.chunk) for b in layout.buckets if b.group == g] for g in range(len(self.masters))]
+        return PageTable(pieces, config.optimizer_swap.page_numel)
 
     def _pipelined(self):
         """Whether the offloaded step runs bucket by bucket with its uploads (see ``offload_step``)."""
@@ -178,7 +191,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
     def _masters_current(self):
         super()._masters_current()
         if self.host_step is not None:
-            self.host_step.finish()
+            self.host_step.sync_host()  # a step still running completes; masters on disk are read back
         if self.zenflow is not None:
             self.zenflow.sync_masters()
 

@@ -275,6 +275,11 @@ class ZeroStage:
         return self.fp32_param(param)
 
 
+def global_rank():
+    """This process's rank in the default group (0 without one): what names its swap folders."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def trainable_groups(optimizer):
     """Per optimizer param group, its trainable parameters (each parameter once, in the first group naming it)."""
     seen = set()

@@ -28,8 +28,10 @@ class StageConfig:
     bucket_numel: int = int(5e8)
     overlap_comm: bool = False
     use_reduce_scatter: bool = True
-    offload_optimizer: Optional[str] = None  # "cpu" or None
-    offload_param: Optional[str] = None  # "cpu" or None (stage 3)
+    offload_optimizer: Optional[str] = None  # "cpu" (also for "nvme": the host tier under the disk tier) or None
+    offload_param: Optional[str] = None  # "cpu" or None (stage 3; "cpu" for "nvme" too)
+    optimizer_swap: Optional[object] = None  # a swap_tensor SwapConfig: masters and moments on disk (NVMe)
+    param_swap: Optional[object] = None  # a swap_tensor SwapConfig: ZeRO-3's 16-bit shards on disk (NVMe)
     pin_memory: bool = False  # offload_optimizer.pin_memory: page-locked host partitions and masters
     cpu_cores_perc: float = 0.8  # offload_optimizer.cpuadam_cores_perc: cores of the host optimizer step
     offload_ratio: float = 1.0  # offload_optimizer.ratio (stage 3): share of the optimizer state kept on the host
@@ -48,7 +50,11 @@ class StageConfig:
         stage = cfg.zero_optimization_stage
         offload_optimizer = _device_name(zero.offload_optimizer_device) if stage > 0 else "none"
         offload_param = _device_name(zero.offload_param_device) if stage == 3 else "none"
-        # device "nvme" never gets here: DeepSpeedConfig refuses it (config_audit.py, the one place that does)
+        optimizer_swap, param_swap = _swap_configs(cfg, zero, offload_optimizer, offload_param)
+        if offload_optimizer == "nvme":
+            offload_optimizer = "cpu"  # the host tier steps what the disk tier holds
+        if offload_param == "nvme":
+            offload_param = "cpu"
         check_zenflow_stage(zero.zenflow, stage, offload_optimizer)
         opt_section = zero.offload_optimizer if offload_optimizer == "cpu" else None
         super_offload = bool(opt_section is not None and opt_section.super_offload)
@@ -78,12 +84,44 @@ class StageConfig:
                    param_buffer_numel=int(param_section.buffer_size) if param_section is not None else int(1e8),
                    zenflow=zero.zenflow,
                    super_offload=super_offload,
+                   optimizer_swap=optimizer_swap,
+                   param_swap=param_swap,
                    unit_numel=max(1, int(zero.stage3_prefetch_bucket_size)),
                    persistence_threshold=int(zero.stage3_param_persistence_threshold))
 
 
 def _device_name(device):
     return str(getattr(device, "value", device))
+
+
+def _swap_configs(cfg, zero, offload_optimizer, offload_param):
+    """The disk tiers of ``offload_optimizer`` / ``offload_param`` with ``device: nvme`` (None where not on NVMe);
+    NotImplementedError for what NVMe offload does not support."""
+    if "nvme" not in (offload_optimizer, offload_param):
+        return None, None
+    from deepspeed.runtime.swap_tensor.swap_config import aio_settings, optimizer_swap_config, param_swap_config
+    aio = cfg.aio_config
+    if bool(aio.get("use_gds", False)):
+        raise NotImplementedError("aio.use_gds (GPUDirect Storage) is not supported: NVMe offload moves data through "
+                                  "pinned host buffers; see docs/offload.md")
+    settings = aio_settings(aio)
+    optimizer_swap = param_swap = None
+    if offload_optimizer == "nvme":
+        section = zero.offload_optimizer
+        unsupported = [(zero.zenflow is not None, "ZenFlow (zero_optimization.zenflow)"),
+                       (bool(section.super_offload), "offload_optimizer.super_offload (speculative steps)"),
+                       (float(section.ratio) < 1.0, "offload_optimizer.ratio < 1 (partial offload)")]
+        for bad, what in unsupported:
+            if bad:
+                raise NotImplementedError(f"{what} is not supported with offload_optimizer.device 'nvme'; use device "
+                                          "'cpu' for it (docs/offload.md)")
+        optimizer_swap = optimizer_swap_config(section, settings, zero.sub_group_size)
+    if offload_param == "nvme":
+        if zero.zenflow is not None:
+            raise NotImplementedError("ZenFlow (zero_optimization.zenflow) is not supported with "
+                                      "offload_param.device 'nvme'; use device 'cpu' for it (docs/offload.md)")
+        param_swap = param_swap_config(zero.offload_param, settings)
+    return optimizer_swap, param_swap
 
 
 def _registry():

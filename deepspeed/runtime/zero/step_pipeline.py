@@ -41,6 +41,8 @@ from deepspeed.runtime.zero.host_worker import HostWorker
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.transfers import DONE, synchronous_copies
 
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
 
 def overlap_enabled():
     """Whether offloaded steps are pipelined (``DS_OFFLOAD_OVERLAP`` is not ``0``, and ``DS_OFFLOAD_SYNC=1``, every
@@ -116,8 +118,11 @@ class StepPipeline:
         return self._launch is not None
 
     def prepare(self):
-        """Per group: (master, grad, state, scalars), the step counted and its scalars read now."""
+        """Per group: (master, grad, state, scalars), the step counted and its scalars read now (the master is None
+        when the optimizer tier keeps it on disk)."""
         host_step = self.host_step
+        if host_step.swap is not None:
+            return host_step.swap.prepare()
         optimizer = host_step.optimizer
         prepared = {}
         for g, group in enumerate(optimizer.param_groups):
@@ -134,21 +139,57 @@ class StepPipeline:
             prepared[g] = (master.data, grad, state, host_adam.begin_step(group, master.data, state))
         return prepared
 
-    def step_host_piece(self, entry, piece, grad_scale=1.0, backup=None, out=None):
+    def step_host_piece(self, entry, piece, grad_scale=1.0, backup=None, out=None, out_range=None):
         """Step host piece ``piece`` with ``entry`` (one group's value of :meth:`prepare`): its masters, moments and
-        16-bit target (``out``: another tensor of the target's shape and dtype receives the 16-bit values instead);
-        ``backup`` (a ``host_adam.StepBackup`` of the group) first receives what it overwrites."""
+        16-bit target (``out``: another tensor of the target's shape and dtype receives the 16-bit values instead;
+        ``out_range``: a tensor of the piece's length does); ``backup`` (a ``host_adam.StepBackup`` of the group)
+        first receives what it overwrites."""
         host_step = self.host_step
         param, grad, state, scalars = entry
-        full = host_step.targets[piece.group] if out is None else out
+        if out_range is not None:
+            full, at = out_range, 0
+        else:
+            full, at = (host_step.targets[piece.group] if out is None else out), piece.start
         writes = full.dtype != torch.float32  # the op writes a 16-bit copy in its pass
         if backup is not None and not writes:
-            backup.out.narrow(0, piece.start, piece.length).copy_(full.narrow(0, piece.start, piece.length))
-        host_adam.step_piece(host_adam.host_adam_op(), host_step.optimizer.param_groups[piece.group], scalars, param,
-                             grad, state, piece.start, piece.length, full if writes else None, grad_scale,
-                             host_step.threads, backup)
+            backup.out.narrow(0, piece.start, piece.length).copy_(full.narrow(0, at, piece.length))
+        if out_range is not None:  # the op addresses every tensor from one start: hand it views of the piece
+            if backup is not None:
+                raise ValueError("StepPipeline.step_host_piece: a backup needs the whole target")
+            views = {k: v.narrow(0, piece.start, piece.length) for k, v in state.items() if k in _MOMENTS}
+            host_adam.step_piece(host_adam.host_adam_op(), host_step.optimizer.param_groups[piece.group], scalars,
+                                 param.narrow(0, piece.start, piece.length), grad.narrow(0, piece.start, piece.length),
+                                 views, 0, piece.length, full if writes else None, grad_scale, host_step.threads)
+        else:
+            host_adam.step_piece(host_adam.host_adam_op(), host_step.optimizer.param_groups[piece.group], scalars,
+                                 param, grad, state, piece.start, piece.length, full if writes else None, grad_scale,
+                                 host_step.threads, backup)
         if not writes:  # an fp32 model: the targets are copies of the masters
-            full.narrow(0, piece.start, piece.length).copy_(param.narrow(0, piece.start, piece.length))
+            full.narrow(0, at, piece.length).copy_(param.narrow(0, piece.start, piece.length))
+
+    def step_piece(self, entry, piece, grad_scale=1.0):
+        """Step ``piece``: from host memory (:meth:`step_host_piece`), or page by page where the masters (the
+        optimizer tier, ``host_step.swap``) or the 16-bit targets (ZeRO-3's parameter tier, ``host_step.shard_tier``)
+        are on disk."""
+        host_step = self.host_step
+        swap, shards = host_step.swap, host_step.shard_tier
+        if swap is None and (shards is None or shards.resident):
+            self.step_host_piece(entry, piece, grad_scale)
+            return
+        table = swap.table if swap is not None else shards.table
+        for page, offset, start, length in table.covering(piece.group, piece.start, piece.length):
+            if shards is not None and not shards.resident:
+                out = shards.open_target(page, offset, length)
+            else:
+                out = host_step.targets[piece.group].narrow(0, start, length)
+            try:
+                if swap is not None:
+                    swap.step_range(entry, piece.group, start, length, out, grad_scale, host_step.threads)
+                else:
+                    self.step_host_piece(entry, StepPiece(piece.group, start, length), grad_scale, out_range=out)
+            finally:
+                if shards is not None and not shards.resident:
+                    shards.close_target(page)
 
     def host_worker(self):
         """The worker thread the host steps run on (created on first use)."""
@@ -165,6 +206,10 @@ class StepPipeline:
         (``HostStep.wait_readers``).
         """
         self.finish()
+        swap = self.host_step.swap
+        if swap is not None:  # the state goes to disk first if something made it resident; reads run ahead of
+            swap.swap_out()  # the pieces in their order
+            swap.plan_pieces(pieces)
         if prepared is None:
             prepared = self.prepare()
         share = self.host_step.share
@@ -194,14 +239,20 @@ class StepPipeline:
                     for index, piece in enumerate(pieces):
                         if delay and index not in stepped:
                             time.sleep(delay)
-                        target = targets[piece.group].narrow(0, piece.start, piece.length)
+                        target = None if targets[piece.group] is None else targets[piece.group].narrow(
+                            0, piece.start, piece.length)
                         if piece.on_device:  # its 16-bit values arrive from the device share's stream
                             share.order_after(transfers.stream)
                         elif index not in stepped and piece.group in prepared:
-                            self.step_host_piece(prepared[piece.group], piece, grad_scale)
+                            self.step_piece(prepared[piece.group], piece, grad_scale)
                         if piece.send is not None:
                             launch.sent[index] = piece.send(target) or DONE
                         launch.stepped[index].set()
+                    if swap is not None:
+                        swap.finish_step(prepared)
+                    shards = self.host_step.shard_tier
+                    if shards is not None and not shards.resident:
+                        shards.finish_writes()  # a write that failed raises here, not at a later read
                 except BaseException as exc:
                     launch.error = exc
                     for event in launch.stepped:

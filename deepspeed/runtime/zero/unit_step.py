@@ -65,9 +65,9 @@ class UnitStep:
                 spans.append((g, part_offset, length))
                 owners.append(unit.index)
                 covered[g] += length
-        for g, master in enumerate(stage.masters):
-            if groups[g]["params"] and covered[g] != master.numel():
-                raise RuntimeError(f"UnitStep: the units' segments cover {covered[g]} of the {master.numel()} "
+        for g, numel in enumerate(stage.host_step.group_numel):
+            if groups[g]["params"] and covered[g] != numel:
+                raise RuntimeError(f"UnitStep: the units' segments cover {covered[g]} of the {numel} "
                                    f"elements of param group {g}'s partition")
         return spans, owners
 

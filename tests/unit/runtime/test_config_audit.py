@@ -5,9 +5,9 @@
 raise ``NotImplementedError`` naming the key) and one that does not (it builds). ``NO_EFFECT`` lists keys that only
 tune speed or memory, or that upstream ignores alone: they build with one warning naming the key. Keys this
 runtime honours since the audit (``dataloader_drop_last``, ``data_types.param_dtype``, upstream's spelling of
-``seq_parallel_communication_data_type``, the ``pipeline`` section) have their own tests. On 2 ranks,
-``deepspeed.initialize`` with a tensor-parallel config raises on both ranks before any collective (the group issued
-none and stays usable).
+``seq_parallel_communication_data_type``, the ``pipeline`` section) have their own tests; NVMe offload and its
+``aio`` section build without a warning. On 2 ranks, ``deepspeed.initialize`` with a tensor-parallel config raises
+on both ranks before any collective (the group issued none and stays usable).
 """
 
 import logging
@@ -25,10 +25,6 @@ Z = "zero_optimization"
 # key -> (asks for the feature, does not ask for it)
 REFUSED = {
     "tensor_parallel": ({"tensor_parallel": {"autotp_size": 2}}, {"tensor_parallel": {"autotp_size": 1}}),
-    f"{Z}.offload_optimizer.device": ({Z: {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}},
-                                      {Z: {"stage": 3, "offload_optimizer": {"device": "cpu"}}}),
-    f"{Z}.offload_param.device": ({Z: {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
-                                  {Z: {"stage": 3, "offload_param": {"device": "cpu"}}}),
     "amp": ({"amp": {"enabled": True, "opt_level": "O1"}}, {"amp": {"enabled": False}}),
     "hybrid_engine": ({"hybrid_engine": {"enabled": True}}, {"hybrid_engine": {"enabled": False}}),
     "quantize_training": ({"quantize_training": {"enabled": "true"}}, {"quantize_training": {"enabled": False}}),
@@ -50,7 +46,6 @@ REFUSED = {
 }  # yapf: disable
 
 NO_EFFECT = {
-    "aio": {"aio": {"block_size": 1048576}},
     "sparse_gradients": {"sparse_gradients": True},
     "graph_harvesting": {"graph_harvesting": True},
     "sparse_attention": {"sparse_attention": {"mode": "fixed"}},
@@ -138,6 +133,18 @@ def test_honoured_keys():
             _build(fragment)
     pipeline = _build({"pipeline": {"stages": 2, "partition": "parameters", "schedule": "zb_h1"}}).pipeline
     assert (pipeline["stages"], pipeline["partition"], pipeline["schedule"]) == (2, "parameters", "zero_bubble")
+    nvme_device = {"device": "nvme", "nvme_path": "/x"}
+    nvme = {
+        Z: {
+            "stage": 3,
+            "offload_optimizer": nvme_device,
+            "offload_param": nvme_device
+        },
+        "aio": {
+            "block_size": 4096
+        }
+    }
+    assert not [m for m in _warnings_of(nvme) if "no effect" in m]  # NVMe offload and its aio section are built
     cfg = _build({"seq_parallel_communication_data_type": "fp32"})
     assert cfg.seq_parallel_communication_data_type == torch.float32
     assert not [m for m in _warnings_of({"seq_parallel_communication_data_type": "fp32"}) if "unknown" in m]

@@ -125,6 +125,7 @@ SURFACE = {
     "deepspeed.ops.adam": ["FusedAdam", "DeepSpeedCPUAdam", "ZenFlowSelectiveAdamW", "ZenFlowSelectiveAdamW_stage3"],
     "deepspeed.ops.adam.multi_tensor_apply": ["MultiTensorApply"],
     "deepspeed.ops.aio": ["AsyncIOBuilder"],
+    "deepspeed.nvme": ["ds_io_main", "sweep_main", "generate_main", "parse_sweep_arguments"],
     "deepspeed.ops.op_builder": ["FusedAdamBuilder", "AsyncIOBuilder", "CPUAdamBuilder"],
 }
 

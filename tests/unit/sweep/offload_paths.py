@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The random sweep of the offloaded step's paths: one case trained three ways in one process, the same bits.
+"""The random sweep of the offloaded step's paths: one case trained three or four ways in one process, the same bits.
 
-An offload case (:func:`draw_offload`) trains an MLP of random widths with AdamW on the host Adam op, three times
-from the same initialisation and data: the whole-partition step (``DS_OFFLOAD_OVERLAP=0``, the reference of the
-pipelined paths), the pipelined step (stepped in forward order, uploaded piece by piece, overlapping the next
-forward; on ZeRO-3 per gather unit; ``offload_optimizer.ratio`` on ZeRO-3 when drawn), and the speculative step
-(``super_offload``, pieces stepped in the boundary backward, kept or rolled back). Every loss, every 16-bit
-parameter, fp32 master and Adam moment must be the same bits after each step. The whole-partition run is also
+An offload case (:func:`draw_offload`) trains an MLP of random widths with AdamW on the host Adam op, three (with the
+disk tier four) times from the same initialisation and data: the whole-partition step (``DS_OFFLOAD_OVERLAP=0``, the
+reference of the pipelined paths), the pipelined step (stepped in forward order, uploaded piece by piece, overlapping
+the next forward; on ZeRO-3 per gather unit; ``offload_optimizer.ratio`` on ZeRO-3 when drawn), the speculative step
+(``super_offload``, pieces stepped in the boundary backward, kept or rolled back), and the pipelined step with the
+optimizer state or ZeRO-3's shards on NVMe (``nvme``). Every loss, every 16-bit parameter, fp32 master and Adam
+moment must be the same bits after each step. The whole-partition run is also
 compared with a plain-torch AdamW over every rank's data (fp32 cases: the same maths, rounded alike up to the
 host op's order of operations).
 
@@ -29,12 +30,19 @@ key                meaning
                    calls over one retained graph: on the boundary micro-step a speculative step sees a second
                    gradient for pieces it may have stepped, and rolls back)
 ``steps``          optimizer steps
+``nvme``           the disk tier of a fourth run, the pipelined step with state on NVMe (a temporary folder;
+                   pages of a few elements and a cache of two or three, so every step reads and writes the
+                   disk): "optimizer" (masters and moments), "param" (ZeRO-3 shards, with ``offload_param``),
+                   "both", or None (world 4). Drawn from a generator of its own, so the other keys of a seed's
+                   cases are what they were before the disk tier
 =================  ===========================================================================================
 """
 
 import copy
 import os
 import random
+import shutil
+import tempfile
 
 import torch
 
@@ -65,9 +73,23 @@ def draw_offload(rng):
     return case
 
 
+def draw_nvme(rng, case):
+    """The disk tier of ``case``'s fourth run (see the module docstring)."""
+    if case["world"] > 3:
+        return None
+    if case["stage"] == 3 and case["offload_param"]:
+        return rng.choice(["optimizer", "param", "both"])
+    return "optimizer"
+
+
 def offload_cases(seed, count):
     """The ``count`` offload cases of ``seed``: case ``i`` depends on ``(seed, i)`` only."""
-    return [draw_offload(random.Random(f"ds-offload-sweep-{seed}-{i}")) for i in range(count)]
+    cases = []
+    for i in range(count):
+        case = draw_offload(random.Random(f"ds-offload-sweep-{seed}-{i}"))
+        case["nvme"] = draw_nvme(random.Random(f"ds-offload-sweep-nvme-{seed}-{i}"), case)
+        cases.append(case)
+    return cases
 
 
 def offload_case_id(case):
@@ -86,11 +108,13 @@ def offload_case_id(case):
         parts.append("d")
     if case.get("call", "engine") != "engine":
         parts.append(case["call"])
+    if case.get("nvme"):
+        parts.append(f"nvme{case['nvme']}")
     parts.append(f"s{case['steps']}")
     return "-".join(parts)
 
 
-def _config(case, ratio=1.0, super_offload=False):
+def _config(case, ratio=1.0, super_offload=False, nvme_path=None):
     offload = {"device": "cpu", "pin_memory": False}
     if ratio != 1.0:
         offload["ratio"] = ratio
@@ -99,6 +123,19 @@ def _config(case, ratio=1.0, super_offload=False):
     zero = {"stage": case["stage"], "reduce_bucket_size": case["bucket"], "offload_optimizer": offload}
     if case["offload_param"]:
         zero["offload_param"] = {"device": "cpu"}
+    if nvme_path is not None:  # a rank's state in about 8 pages, 2 or 3 of them cached: every step uses the disk
+        page = max(1, sum(a * b + b for a, b in zip(case["widths"], case["widths"][1:])) // (8 * case["world"]))
+        if case["nvme"] in ("optimizer", "both"):
+            offload.update(device="nvme", nvme_path=nvme_path, buffer_count=3)
+            zero["sub_group_size"] = page
+        if case["nvme"] in ("param", "both"):
+            zero["offload_param"] = {
+                "device": "nvme",
+                "nvme_path": nvme_path,
+                "buffer_count": 2,
+                "buffer_size": page,
+                "max_in_cpu": 0
+            }
     if case["units"] is not None:
         zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"] = case["units"]
     cfg = {
@@ -139,6 +176,15 @@ def _train(case, model, overlap, **config):
         engine = deepspeed.initialize(model=copy.deepcopy(model), config=_config(case, **config))[0]
         if overlap:
             assert engine._stage.host_step.pipeline is not None, "the offloaded step is not pipelined"
+        tiers = [
+            t for t in (engine._stage.host_step.swap, getattr(engine._stage, "param_tier", None)) if t is not None
+        ]
+        assert len(tiers) == {
+            None: 0,
+            "optimizer": 1,
+            "param": 1,
+            "both": 2
+        }[case["nvme"] if "nvme_path" in config else None], tiers
         widths, gas = case["widths"], case["gas"]
         trace = []
         for step in range(case["steps"]):
@@ -171,6 +217,9 @@ def _train(case, model, overlap, **config):
                 for k in ("exp_avg", "exp_avg_sq")
             }
             trace.append(dict(losses=losses, values=values, masters=masters, moments=moments))
+        for tier in tiers:  # the disk was written, and read where the cache cannot hold every page
+            stats = tier.store.stats
+            assert stats["writes"] > 0 and (stats["reads"] > 0 or len(tier.table.pages) <= tier.store.slots), stats
         stats = engine.optimizer.speculative_stats
         return trace, stats
     finally:
@@ -224,6 +273,14 @@ def run_offload_paths(case):
         runs["speculative"], stats = _train(case, model, overlap=True, super_offload=True)
     else:
         stats = None
+    if case.get("nvme"):
+        folder = tempfile.mkdtemp(prefix="ds_sweep_nvme_")
+        try:
+            runs["nvme"], _ = _train(case, model, overlap=True, nvme_path=folder)
+            left = [f for _, _, files in os.walk(folder) for f in files if f.endswith(".tensor.swp")]
+            assert not left, f"swap files left after destroy(): {left}"
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
     for label, trace in runs.items():
         for step, (got, want) in enumerate(zip(trace, whole)):
             where = f"rank {rank} {label} step {step}"
