@@ -28,7 +28,11 @@ Three geometries, one per kind of stage:
   persistent full-size buffer (stage 1) or allocated per bucket and dropped at launch
   (stage 2);
 * :class:`UnitGeometry` (stage 3): a parameter unit is staged rank-major (row ``r`` holds
-  every parameter's shard ``r``) and reduce-scattered into the rank's shards.
+  every parameter's shard ``r``) and reduce-scattered into the rank's shards. Units are reduced
+  over the dense group only; the shards of a tensor-parallel model's replicated parameters
+  (the same shard on every tensor-parallel rank) are then summed over the tensor-parallel group
+  once per window, by :meth:`UnitGeometry.reduce_replicas` (unit boundaries may differ between
+  tensor-parallel ranks, whose cut parameters differ in size; the replicated shards do not).
 
 Each bucket carries the :class:`~deepspeed.runtime.zero.reduction_spec.ReductionSpec` of its
 parameters (``reduction``, a :class:`~deepspeed.runtime.zero.reduction_spec.ReductionPlan`): a
@@ -373,6 +377,8 @@ class UnitGeometry(_Geometry):
 
     def __init__(self, units, part_layout, *, use_reduce_scatter, **common):
         super().__init__(**common)
+        # units are reduced over the dense group only (replicated shards: reduce_replicas)
+        self.identity = self.spec.world_size == 1 and not self.offloaded and self.part_device == self.device
         self._use_reduce_scatter = use_reduce_scatter
         self.units = units
         self.part_layout = part_layout
@@ -472,8 +478,62 @@ class UnitGeometry(_Geometry):
         for piece, column, length in self._segments[flight.bucket.index]:
             self._fold_into(piece, out.narrow(0, column, length))
 
+    # --------------------------------------------------- replicated parameters of a tensor-parallel model
+    def set_replicas(self, params):
+        """The replicated parameters (``spec_of(p)`` a tensor-parallel spec), in an order every tensor-parallel
+        rank shares (the model's parameter order)."""
+        self._replicas = []
+        for param in params:
+            spec = self.reduction.spec_of(param)
+            if spec.tensor_size > 1 and param in self.part_layout.slots:
+                slot = self.part_layout.slots[param]
+                if slot.group < len(self.grad_parts):
+                    self._replicas.append((param, slot.group, slot.part_offset, slot.shard, spec))
+        self._replicas_reduced = None
+
+    def replica_pieces(self):
+        """This rank's shards of the replicated parameters' window gradient (views of the partitions)."""
+        return [
+            self.grad_parts[g].narrow(0, offset, shard) for _, g, offset, shard, _ in getattr(self, "_replicas", [])
+        ]
+
+    def reduce_replicas(self):
+        """Sum the replicated parameters' shards over the tensor-parallel group, once per window (module docstring).
+
+        Idempotent and linear: what was reduced before is kept aside, and only what the window added since is
+        reduced (a second call, or a backward after ``finish_window`` in the same window, stays exact).
+        """
+        replicas = getattr(self, "_replicas", [])
+        if not replicas:
+            return
+        self.settle()
+        pieces = self.replica_pieces()
+        flat = torch.cat([p.reshape(-1) for p in pieces])
+        before = self._replicas_reduced
+        delta = flat if before is None else flat - before
+        spec = replicas[0][4]
+        work = self.transport.all_reduce(delta, spec.tensor_group)
+        if work is not None:
+            work.wait()
+        offset = 0
+        for (_, _, _, shard, spec), piece in zip(replicas, pieces):
+            part = delta.narrow(0, offset, shard)
+            if spec.replicas != 1:
+                part.mul_(1.0 / spec.replicas)
+            if before is None:
+                piece.copy_(part)
+            else:
+                piece.copy_(before.narrow(0, offset, shard) + part)
+            offset += shard
+        self._replicas_reduced = torch.cat([p.reshape(-1) for p in pieces])
+
+    def zero_window(self):
+        super().zero_window()
+        self._replicas_reduced = None
+
     def release(self):
         super().release()
         self.grad_parts = []
         self._segments = []
         self._flat_dest = []
+        self._replicas = []
