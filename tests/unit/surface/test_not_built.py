@@ -18,13 +18,6 @@ NOT_BUILT = [
     ("deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper", "PipelinedOptimizerSwapper", lambda c: c(), "NVMe"),
     ("deepspeed.runtime.swap_tensor.async_swapper", "AsyncTensorSwapper", lambda c: c(None, None, None), "NVMe"),
     ("deepspeed.runtime.swap_tensor.utils", "SwapBufferPool", lambda c: c([]), "NVMe"),
-    ("deepspeed.runtime.tensor_parallel", "TpTrainingManager", lambda c: c(None, 2), "tensor parallelism"),
-    ("deepspeed.runtime.tensor_parallel.init_utils", "tp_model_init", lambda f: f(None, 2, torch.float16),
-     "tensor parallelism"),
-    ("deepspeed.runtime.tensor_parallel", "get_tensor_parallel_config",
-     lambda f: f({"tensor_parallel": {
-         "autotp_size": 2
-     }}), "tensor parallelism"),
     ("deepspeed.runtime.activation_checkpointing.offload_activations",
      "get_checkpoint_hidden_states_offloading_ctx_manager", lambda f: f(), "hidden states"),
     ("deepspeed.runtime.activation_checkpointing.offload_activations", "CheckpointHiddenStatesOffload", lambda c: c(),
@@ -67,5 +60,3 @@ def test_aio_config_defaults():
     from deepspeed.runtime.swap_tensor.aio_config import AIO_DEFAULT_DICT, get_aio_config
     assert get_aio_config({}) == AIO_DEFAULT_DICT
     assert get_aio_config({"aio": {"block_size": 4096}})["block_size"] == 4096
-    from deepspeed.runtime.tensor_parallel import get_tensor_parallel_config
-    assert get_tensor_parallel_config({}) is None
