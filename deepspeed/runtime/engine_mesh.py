@@ -116,16 +116,22 @@ def reduction_plan(mesh):
     tp = mesh.description.model_parallel_size
     if tp == 1:
         return ReductionPlan(dense, experts)
-    # Tensor parallelism (runtime/tensor_parallel/replicated.py): a replicated parameter is reduced over the
-    # data- and tensor-parallel ranks of its stage; a "mean" one computed its whole gradient on every
-    # tensor-parallel rank (tp replicas of it are added up), a "sum" one its share.
+    # Tensor parallelism (runtime/tensor_parallel/replicated.py): a replicated parameter is partitioned over the
+    # data-parallel ranks like a cut one, and its gradient summed over the tensor-parallel ranks too (one all-reduce
+    # over both for stage 0, the partition's chunk over the tensor group for stages 1-2, the shards once per window
+    # for stage 3). A "mean" one computed its whole gradient on every tensor-parallel rank (tp replicas of it are
+    # added up), a "sum" one its share. Each tensor-parallel rank's partitions then hold all of its parameters, so
+    # its checkpoint files are complete by themselves.
     tp_group = _spec(mesh, "model_parallel", 1, "tensor").group
+    union = _spec(mesh, "model_data_parallel", 1, "union").group
     tensor = {
         kind:
-        dataclasses.replace(_spec(mesh, "model_data_parallel", dp, f"tensor_{kind}"),
+        dataclasses.replace(dense,
+                            name=f"tensor_{kind}",
                             replicas=tp if kind == replicated.MEAN else 1,
                             tensor_group=tp_group,
-                            tensor_size=tp)
+                            tensor_size=tp,
+                            union_group=union)
         for kind in (replicated.SUM, replicated.MEAN)
     }
     norm = _spec(mesh, "model_data_parallel", 1, "norm")

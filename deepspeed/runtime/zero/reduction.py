@@ -127,8 +127,8 @@ class _Geometry:
         self.offloaded = part_device is not None
         self.part_device = torch.device(part_device) if part_device is not None else self.device
         self.pin_memory = pin_memory
-        self.identity = (all(spec.world_size == 1 for spec in self.reduction.specs()) and not self.offloaded
-                         and self.part_device == self.device)
+        self.identity = (all(spec.world_size * spec.tensor_size == 1 for spec in self.reduction.specs())
+                         and not self.offloaded and self.part_device == self.device)
         # Host partitions: every fold goes through the folder (on a CPU-only machine too, so the logic the
         # GPU runs is the one tests exercise).
         self.folder = HostFolder(self.device) if self.offloaded else None
@@ -158,6 +158,14 @@ class _Geometry:
     def _reduce(self, send, chunk, spec):
         """Start reducing the flat ``send`` over ``spec``'s group; return ``(work, out)`` with ``out`` this rank's
         ``chunk`` elements."""
+        if spec.tensor_size > 1:  # a tensor-parallel model's replicated parameters: over the data ranks, then
+            work, out = self._reduce_data(send, chunk, spec)  # the chunk over the tensor-parallel ranks
+            if work is not None:
+                work.wait()  # the chunk must be complete before it is summed again
+            return self.transport.all_reduce(out, spec.tensor_group), out
+        return self._reduce_data(send, chunk, spec)
+
+    def _reduce_data(self, send, chunk, spec):
         if spec.world_size == 1:
             return None, send
         if self._use_reduce_scatter:
@@ -243,7 +251,8 @@ class ReplicatedGeometry(_Geometry):
             staged = late if late is not None else torch.zeros_like(self._regions[index])
         send = _comm_cast(staged, self.comm_dtype)
         group_spec = bucket.spec
-        work = self.transport.all_reduce(send, group_spec.group) if group_spec.world_size > 1 else None
+        group = group_spec.union_group if group_spec.tensor_size > 1 else group_spec.group
+        work = self.transport.all_reduce(send, group) if group_spec.world_size * group_spec.tensor_size > 1 else None
         return Flight(bucket, work, send, staged, own)
 
     def fold(self, flight):

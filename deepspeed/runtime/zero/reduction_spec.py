@@ -9,9 +9,10 @@ its expert group (``param.group_name``, for parameters marked ``allreduce=False`
 tensor-parallel model, the spec of a parameter replicated over the tensor-parallel group
 (``ds_tp_replicated``: ``"sum"`` or ``"mean"``, see ``runtime/tensor_parallel/replicated.py``).
 
-A tensor-parallel spec reduces over the data- *and* tensor-parallel ranks of the stage
-(``group``); ``tensor_group`` is its tensor-parallel part, for a geometry that reduces in two
-steps (stage 3: over the data-parallel group with the unit, then over ``tensor_group``).
+A tensor-parallel spec is partitioned over the data-parallel ``group`` like the dense one and
+summed over ``tensor_group`` (``tensor_size`` ranks) as well: in one all-reduce over
+``union_group`` (both, stage 0), or in two steps (stages 1-2: the reduce-scatter's chunk over the
+tensor group; stage 3: the shards, once per window).
 ``replicas`` is how many identical whole gradients the reduction adds up (a ``"mean"``
 parameter's: one per tensor-parallel rank); contributions are divided by it too, so the sum is
 the gradient once. ``norm_group`` is where a stage adds up its partitions' squared norms: every
@@ -39,6 +40,12 @@ class ReductionSpec:
     replicas: int = 1
     tensor_group: Any = None
     tensor_size: int = 1
+    union_group: Any = None  # group and tensor_group together (None: the default group)
+
+    @property
+    def copies(self):
+        """On how many ranks the reduced gradient of this spec's parameters is the same (all its partitions')."""
+        return self.tensor_size
 
     def scale(self, average):
         """The factor a contribution takes so that the sum over ``group`` is the mean (or the sum)."""

@@ -62,7 +62,7 @@ class Stage0(ZeroStage):
             with ds_range("DS::grad_norm"):
                 sq = torch.zeros((), dtype=torch.float32, device=self.device)
                 for spec, regions in self.geometry.regions_by_spec():
-                    sq = sq + grad_ops.partial_sq_norm(regions, device=self.device) / spec.world_size
+                    sq = sq + grad_ops.partial_sq_norm(regions, device=self.device) / (spec.world_size * spec.copies)
                 dist.all_reduce(sq, group=group)
                 self._norm = sq.sqrt()
         return super().global_grad_norm()
