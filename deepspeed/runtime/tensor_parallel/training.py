@@ -71,6 +71,15 @@ class TensorParallelTraining:
         if tp_config.tensor_parallel.tp_group is not None and mpu is not None:
             raise ValueError("tensor_parallel.tp.tp_group and an mpu both give tensor-parallel groups; pass one")
         tp_group = tp_group if tp_group is not None else tp_config.tensor_parallel.tp_group
+        zero = ds_config.zero_config
+        stage = ds_config.zero_optimization_stage
+        offload = [
+            str(getattr(d, "value", d)) for d in (zero.offload_optimizer_device if stage > 0 else "none",
+                                                  zero.offload_param_device if stage == 3 else "none")
+        ]
+        if any(d not in ("none", "None") for d in offload) or zero.zenflow is not None:
+            raise NotImplementedError("tensor parallelism (AutoTP) with offload_optimizer, offload_param or ZenFlow "
+                                      "is not supported; see docs/tensor_parallel.md")
         configure_tensor_parallel_runtime(tp_config)
         if size <= 1:  # an mpu's tensor parallelism: the model's layers are its own
             return cls(tp_config, mpu_size, None)
