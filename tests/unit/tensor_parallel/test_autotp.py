@@ -90,7 +90,9 @@ def test_layers_data_check_and_bad_input():
         assert data == [message, "passed"]
         assert bad == results[0][2]  # the same error on every rank
     expected = {
+        "the counter": "counted",
         "size not dividing the world": "ValueError",
+        "more ranks than key/value heads": "ValueError",
         "unknown key": "DeepSpeedConfigError",
         "inference kernels": "NotImplementedError",
         "bad partition type": "DeepSpeedConfigError",
@@ -100,9 +102,11 @@ def test_layers_data_check_and_bad_input():
         "tp_model_init dtype differs": "ValueError",
         "tp_group with mpu": "ValueError",
     }
-    got = {name: kind for name, kind, _ in results[0][2]}
+    got = {name: (kind, calls) for name, kind, _, calls in results[0][2]}
+    assert got.keys() == expected.keys()
     for name, kind in expected.items():
-        assert got[name] == kind, (name, results[0][2])
+        calls = ["barrier"] if name == "the counter" else []
+        assert got[name] == (kind, calls), (name, results[0][2])  # the error, and no collective before it
 
 
 def _save(save_dir):
@@ -131,6 +135,8 @@ def test_checkpoint_resume_and_other_tensor_parallel_sizes(tmp_path):
         "zero_pp_rank_0_mp_rank_01_optim_states.pt"
     ]
     assert os.path.isdir(tmp_path / "saved_universal" / "zero" / "lm_head.weight")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    assert _max_diff(get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="saved"), at_save) == 0.0
     # the same tensor-parallel size (every rank its own files: an exact resume); tp 1 (dp 2) from the native tag
     # and from the universal folder (the saved state, whole)
     resumed, native, universal = run_distributed(_loads,
