@@ -4,7 +4,9 @@
 
 ``y = x @ W.T + b`` with ``x`` of any rank ``>= 1``. The backward computes ``dx = dy @ W``,
 ``dW = dy.T @ x`` over all leading dimensions and ``db = sum(dy)``, under the autocast state the forward
-ran with (so an outer autocast region cannot change the backward's precision). Under this runtime's ZeRO-3
+ran with (so an outer autocast region cannot change the backward's precision). The forward is
+``torch.nn.functional.linear``, so under ``torch.autocast`` the output has the autocast dtype, as a
+``torch.nn.Linear``'s has. Under this runtime's ZeRO-3
 a released parameter keeps its storage object (emptied, refilled by the next gather), so torch's own
 ``Linear`` is already safe there; this layer exists for code that names it.
 """
@@ -31,10 +33,9 @@ class LinearFunctionForZeroStage3(torch.autograd.Function):
         ctx.autocast_enabled = torch.is_autocast_enabled(device_type)
         ctx.autocast_dtype = torch.get_autocast_dtype(device_type)
         ctx.save_for_backward(input, weight, bias)
-        if input.dim() == 2 and bias is not None:
-            return torch.addmm(bias, input, weight.t())
-        output = input.matmul(weight.t())
-        return output + bias if bias is not None else output
+        # torch.nn.Linear's own op: under autocast the output (bias included) takes the autocast dtype, as
+        # upstream's does; a matmul plus a separate fp32 bias add would promote it back to fp32
+        return torch.nn.functional.linear(input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
