@@ -2,11 +2,14 @@
 """Automatic tensor parallelism for training against the unsharded model in plain torch (gloo, CPU).
 
 * The training matrix (``cases.py``): tiny random Llama, Mistral, Qwen2 and Qwen3 (and seeded random widths), tp 2 at
-  world 2 and tp 2 x dp 2 / tp 4 at world 4, ZeRO 0-3, fp32 and bf16, SGD and Adam, GAS 2, clipping, with and
+  world 2 and tp 2 x dp 2 / tp 4 at world 4, ZeRO 0-3, fp32 and bf16, SGD and Adam, GAS, clipping, with and
   without the model's tp_plan (partition rules from the plan or the heuristic), uneven vocabulary (65), MLP (66)
   and key/value heads (6 over 4 ranks), tied and untied heads: after every step the unsharded state, each rank's
   loss and the global norm equal the reference's, and replicated parameters are the same on every rank of a group
-  (Qwen3's q_norm/k_norm on the heuristic path included: their gradient is summed over the group).
+  (Qwen3's q_norm/k_norm on the heuristic path included: their gradient is summed over the group). The default
+  run holds one case of every property and one seeded random cell (``DS_TP_MATRIX_SEED``, 3 by default);
+  ``DS_FULL_MATRIX=1`` runs the product (every model x ZeRO stage x dtype x tp_plan or not x tied or not, at both
+  worlds, and tp 4 for Mistral) and ten random seeds.
 * Checkpoints (``ckpt_cases.py``): per-rank files in upstream's names, an exact resume, loads at tp 1, 2 and 4
   from the native tag and from its universal folder.
 * The layers against ``nn.Linear``, the first-forward data check, bad input, tensor x sequence parallelism
@@ -22,49 +25,76 @@ from tests.unit.common import run_distributed
 
 T = 600
 
-# (args, kwargs) of cases.run_cell: (model, tp, zero stage)
+FULL = os.environ.get("DS_FULL_MATRIX") == "1"
+MODELS = ("llama", "mistral", "qwen2", "qwen3")
+
+# (args, kwargs) of cases.run_cell: (model, tp, zero stage); GAS 2 unless given. The default run holds one case of
+# every property: each model, ZeRO 0-3, fp32 and bf16, SGD and Adam, clipping, the tp_plan and the heuristic,
+# tied and untied heads, tp 2 at world 2, tp 4 (6 key/value heads over 4 ranks) and tp 2 x dp 2 at world 4,
+# uneven vocabulary and MLP everywhere; plus one seeded cell of random widths and options (``_sampled``).
 WORLD2 = [
     (("llama", 2, 0), {
-        "gas": 2
+        "optimizer": "adam"
     }),
     (("qwen3", 2, 1), {
         "hf_plan": False,
         "clip": 0.3
-    }),
-    (("qwen3", 2, 2), {
-        "optimizer": "adam"
-    }),
-    (("mistral", 2, 3), {}),
-    (("llama", 2, 2), {
-        "dtype": "bf16",
-        "tied": True
     }),
     (("qwen2", 2, 3), {
         "dtype": "bf16",
         "tied": True,
         "hf_plan": False
     }),
-    (("random", 2, 1), {
-        "seed": 3,
-        "hf_plan": False
-    }),
 ]
 WORLD4 = [
-    (("mistral", 4, 0), {
-        "gas": 2
-    }),
-    (("mistral", 4, 1), {
-        "hf_plan": False
-    }),
-    (("qwen3", 2, 2), {
+    (("mistral", 4, 2), {}),
+    (("qwen3", 2, 3), {
+        "dtype": "bf16",
         "hf_plan": False,
         "clip": 0.3
     }),
-    (("qwen3", 2, 3), {
-        "dtype": "bf16",
-        "hf_plan": False
-    }),
 ]
+
+
+def _sampled(seed, tp):
+    """A seeded cell of random widths (``reference.random_widths``) and random options; a failing seed becomes a
+    fixed case above."""
+    import random
+    r = random.Random(seed)
+    return (("random", tp, r.randrange(4)), {
+        "seed": seed,
+        "dtype": r.choice(["fp32", "bf16"]),
+        "optimizer": r.choice(["sgd", "adam"]),
+        "clip": r.choice([0.0, 0.3]),
+        "tied": r.random() < 0.5,
+        "hf_plan": r.random() < 0.5,
+        "gas": r.choice([1, 2]),
+    })
+
+
+def _product(tp):
+    """``DS_FULL_MATRIX=1``: every model x ZeRO stage x dtype x tp_plan/heuristic x tied/untied, the optimizer,
+    clipping and GAS cycling over the cells, and ten seeds of random widths."""
+    import itertools
+    cells = []
+    for i, (model, stage, dtype, hf_plan,
+            tied) in enumerate(itertools.product(MODELS, range(4), ["fp32", "bf16"], [True, False], [False, True])):
+        cells.append(((model, tp, stage), {
+            "dtype": dtype,
+            "hf_plan": hf_plan,
+            "tied": tied,
+            "optimizer": ["sgd", "adam"][i % 2],
+            "clip": [0.0, 0.3][(i // 2) % 2],
+            "gas": [2, 1][(i // 4) % 2],
+        }))
+    return cells + [_sampled(seed, 2) for seed in range(10)]
+
+
+SEED = int(os.environ.get("DS_TP_MATRIX_SEED", "3"))
+MATRIX = {
+    2: _product(2) if FULL else WORLD2 + [_sampled(SEED, 2)],
+    4: _product(2) + [cell for cell in _product(4) if cell[0][0] == "mistral"] if FULL else WORLD4,
+}
 
 
 def _cells(cells):
@@ -72,8 +102,9 @@ def _cells(cells):
     return run_cells(cells)
 
 
-@pytest.mark.parametrize("world,cells", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
-def test_training_equals_unsharded_model(world, cells):
+@pytest.mark.parametrize("world", [2, 4], ids=["world2", "world4"])
+def test_training_equals_unsharded_model(world):
+    cells = MATRIX[world]
     assert run_distributed(_cells, world, args=(cells, ), timeout=T) == [[]] * world
 
 
