@@ -114,7 +114,8 @@ def _cells(cells):
 @pytest.mark.parametrize("world", [2, 4], ids=["world2", "world4"])
 def test_training_equals_unsharded_model(world):
     cells = MATRIX[world]
-    assert run_distributed(_cells, world, args=(cells, ), timeout=T) == [[]] * world
+    timeout = T + 20 * len(cells) if FULL else T
+    assert run_distributed(_cells, world, args=(cells, ), timeout=timeout) == [[]] * world
 
 
 def _layers_and_checks():
