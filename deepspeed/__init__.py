@@ -18,6 +18,8 @@ from deepspeed.pipe import PipelineModule  # noqa: F401
 from deepspeed.utils import OnDevice, log_dist, logger  # noqa: F401
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer  # noqa: F401
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader  # noqa: F401
+from deepspeed.runtime.tensor_parallel import init_utils as _tp_init_utils
+from deepspeed.runtime.tensor_parallel.init_utils import tp_model_init  # noqa: F401
 
 # `import deepspeed.checkpointing` works too, not only the attribute.
 _sys.modules.setdefault(__name__ + ".checkpointing", checkpointing)
@@ -75,6 +77,8 @@ def initialize(args=None,
         raise ValueError("deepspeed.initialize: no config given (pass config=dict/path, or args.deepspeed_config)")
     if not comm.is_initialized():
         comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    # what tp_model_init recorded fills the config's tensor_parallel section (a conflict raises)
+    config = _tp_init_utils.merged_config(config, mpu, mesh_param, comm)
     if isinstance(model, PipelineModule):  # pipeline parallelism: a PipelineEngine (docs/pipeline.md)
         from deepspeed.runtime.pipe.engine import initialize_pipeline
         return initialize_pipeline(args, model, optimizer, model_parameters, training_data, lr_scheduler, mpu,

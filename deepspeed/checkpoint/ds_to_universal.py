@@ -8,7 +8,9 @@
 
 The output folder is upstream's universal layout (``deepspeed/checkpoint/universal_checkpoint.py``);
 load it with ``"checkpoint": {"load_universal": true}`` and the output folder's name as the tag (or
-a ``latest_universal`` file naming it), on any world size and ZeRO stage. The model-states files
+a ``latest_universal`` file naming it), on any world size, ZeRO stage and tensor-parallel size (a
+checkpoint saved with tensor parallelism is written with whole tensors: every tensor-parallel rank's
+files are merged by the layout they record). The model-states files
 must carry ``universal_checkpoint_info`` (this package's always do; upstream's only when the client
 added it): ``--inject_missing_state`` adds it, as upstream's converter does. The worker-count and
 temporary-folder options are accepted for compatibility: the conversion runs in one process and
@@ -62,6 +64,7 @@ def convert(input_folder, output_folder, inject_missing_state=False):
     """Write the universal folder of the checkpoint tag ``input_folder`` into ``output_folder``."""
     from deepspeed.checkpoint.universal_checkpoint import write_universal
     from deepspeed.runtime.checkpoint.saved import SavedCheckpoint
+    from deepspeed.runtime.tensor_parallel.checkpoint import merged_full_state
     input_folder = os.path.abspath(input_folder)
     if glob.glob(os.path.join(input_folder, C.LAYER_FILE_PREFIX + "*")):  # a pipeline checkpoint (layer files)
         from deepspeed.runtime.pipe.checkpoint import to_universal
@@ -69,6 +72,19 @@ def convert(input_folder, output_folder, inject_missing_state=False):
             else None
         return to_universal(input_folder, output_folder, inject)
     root, tag = os.path.dirname(input_folder), os.path.basename(input_folder)
+    merged = merged_full_state(root, tag)
+    if merged is not None:  # saved tensor parallel: every tensor-parallel rank's files merged into whole tensors
+        model_states, full, frozen, scaler, first = merged
+        os.makedirs(output_folder, exist_ok=True)
+        write_universal(
+            output_folder,
+            full,
+            frozen,
+            # whole tensors in one model-states file: read back as a stage-1/2 source (by name)
+            _optimizer_state(scaler, min(first.saved_stage, 2), first.world_size or 1),
+            [],
+            model_states=model_states)
+        return
     saved = SavedCheckpoint(root, tag, 0)
     ckpt = saved.checkpoint
     inject = None

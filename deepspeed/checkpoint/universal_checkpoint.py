@@ -49,14 +49,15 @@ def _atomic_save(obj, path):
     atomic_torch_save(obj, path)
 
 
-def write_universal(output_folder, full, frozen, optimizer_state, model_files, inject_info=None):
+def write_universal(output_folder, full, frozen, optimizer_state, model_files, inject_info=None, model_states=None):
     """Write the universal folder of a checkpoint (module docstring).
 
     ``full``: the ``FullState`` (fp32 values and optimizer state by name, param-group
     hyperparameters); ``frozen``: name -> value of the frozen parameters; ``optimizer_state``:
     what ``zero/optimizer_state.pt`` holds besides ``param_groups``; ``model_files``: the
     source's model-states files, copied into the folder (with ``inject_info`` added as
-    ``universal_checkpoint_info`` when given).
+    ``universal_checkpoint_info`` when given); ``model_states``: instead of files, one model-states dict
+    written as ``mp_rank_00_model_states.pt`` (a tensor-parallel source, its ranks' states merged).
     """
     zero = os.path.join(output_folder, C.UNIVERSAL_ZERO_FOLDER)
     for name, value in full.fp32.items():
@@ -83,6 +84,8 @@ def write_universal(output_folder, full, frozen, optimizer_state, model_files, i
         C.PARAM_GROUPS: groups
     }
     _atomic_save(state, os.path.join(zero, C.UNIVERSAL_OPTIMIZER_STATE_FILE))
+    if model_states is not None:
+        _atomic_save(model_states, os.path.join(output_folder, "mp_rank_00_model_states.pt"))
     for path in model_files:
         target = os.path.join(output_folder, os.path.basename(path))
         if inject_info is None:

@@ -366,6 +366,9 @@ class DeepSpeedConfig:
         self.zero_force_ds_cpu_optimizer = top.zero_force_ds_cpu_optimizer
         self.log_level = top.log_level
 
+        from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
+        self.tensor_parallel_config = get_tensor_parallel_config(param_dict)  # the 'tensor_parallel' section
+
         self.zero_config: DeepSpeedZeroConfig = get_zero_config(param_dict)
         self.zero_optimization_stage = self.zero_config.stage
         self.zero_enabled = self.zero_optimization_stage > 0

@@ -4,8 +4,8 @@
 Every key or section upstream DeepSpeed acts on is either honoured here or listed below, so that a config never
 asks for something the run silently does without:
 
-* :data:`NOT_BUILT`: the feature changes what training computes (tensor parallelism, quantized or
-  compressed training, ...). A config that asks for it raises ``NotImplementedError`` naming the key.
+* :data:`NOT_BUILT`: the feature changes what training computes (quantized or compressed training, ...). A
+  config that asks for it raises ``NotImplementedError`` naming the key.
   ``DeepSpeedConfig`` runs the check when it is built, which ``deepspeed.initialize`` does on every rank before
   any collective, so every rank raises the same error and nothing hangs.
 * :data:`NO_EFFECT`: the key only tunes speed or memory (the optimizer still sees the exact gradient), or upstream
@@ -48,21 +48,6 @@ def _given(value) -> bool:
     return value not in (None, {}, [], False)
 
 
-def _above_one(value) -> bool:
-    try:
-        return not isinstance(value, bool) and float(value) > 1
-    except (TypeError, ValueError):
-        return False
-
-
-def _tensor_parallel(section) -> bool:
-    """``autotp_size`` (or the older ``tp_size``, top-level or under ``tp``) above 1."""
-    if not isinstance(section, dict):
-        return False
-    inner = section.get("tp") if isinstance(section.get("tp"), dict) else {}
-    return any(_above_one(v) for v in (section.get("autotp_size"), section.get("tp_size"), inner.get("tp_size")))
-
-
 def _any_enabled(section) -> bool:
     """Any ``enabled`` switch on, at any depth (the compression library nests one per technique)."""
     if isinstance(section, dict):
@@ -82,9 +67,6 @@ def _reduced_precision(value) -> bool:
 
 
 NOT_BUILT = (
-    # tensor parallelism is being built: it lifts its own row
-    Row("tensor_parallel", _tensor_parallel, "tensor parallelism (AutoTP, tensor_parallel.autotp_size > 1)",
-        "training would run as plain data parallelism; remove the section or set autotp_size to 1"),
     # features upstream has, or had, that change what training computes
     Row("amp", _section_enabled, "NVIDIA Apex AMP (amp.enabled; upstream 0.19 removed it too)",
         "use 'fp16', 'bf16' or 'torch_autocast'"),

@@ -33,6 +33,7 @@ from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
 from deepspeed.runtime.precision.module_cast import cast_for_precision
 from deepspeed.runtime.precision.overflow import report_skipped_step
 from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
+from deepspeed.runtime.tensor_parallel.training import TensorParallelTraining
 from deepspeed.runtime.unused_parameters import UnusedParameterCheck
 from deepspeed.runtime.usage_errors import EngineUsageError, require_scalar_loss
 from deepspeed.runtime.zenflow.config import accumulation_steps as zenflow_accumulation_steps
@@ -75,7 +76,13 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.local_rank = dist.get_local_rank()
         # Every rank, before any collective: the AutoEP section and the mesh's sizes.
         autoep_config = autoep.configure_autoep(cfg, model, mpu, self.world_size)
-        expert_sizes = engine_mesh.check_mesh_inputs(cfg, model, mpu)
+        self._tensor_parallel = TensorParallelTraining.configure(cfg, model, mpu, self.world_size)
+        tp_size = self._tensor_parallel.size if self._tensor_parallel is not None else 1
+        if tp_size > 1 and autoep_config is not None:
+            raise NotImplementedError(
+                "AutoEP (expert_parallel) together with tensor parallelism is not supported; see "
+                "docs/tensor_parallel.md")
+        expert_sizes = engine_mesh.check_mesh_inputs(cfg, model, mpu, tp_size)
         if autoep_config is not None:
             expert_sizes = sorted(set(expert_sizes) | {autoep_config.autoep_size})
         self.device = torch.device(get_accelerator().device_name(
@@ -88,7 +95,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                     model_key=engine_mesh.model_key(model))
         self._validate_supported(cfg)
         # The one mesh of this run: every group, and over which one each parameter is reduced.
-        self.mesh = engine_mesh.build_engine_mesh(cfg, model, mpu, self.device, expert_sizes)
+        self.mesh = engine_mesh.build_engine_mesh(cfg, model, mpu, self.device, expert_sizes, tp_size)
+        if self._tensor_parallel is not None:  # the model's linear layers are cut over the tensor-parallel group
+            self._tensor_parallel.shard(model, self.mesh, self.device)
         self.dp_world_size = self.mesh.description.data_parallel_size
         self.seq_dp_world_size = self.mesh.description.sequence_data_parallel_size
         self.mp_world_size = self.mesh.description.model_parallel_size
@@ -119,6 +128,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.flops_profiler = self._instruments.flops_profiler
         self.eigenvalue = self._instruments.eigenvalue
         self._prepare_module(model, dont_change_device)
+        if self._tensor_parallel is not None:  # which replicated parameters act on sharded activations
+            self._tensor_parallel.classify(self.module, self.device)
         self.loss_scaler = create_loss_scaler(cfg.fp16_enabled, cfg.loss_scale, cfg.dynamic_loss_scale_args)
 
         self._torch_autocast_dtype = None
@@ -321,6 +332,13 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def get_global_grad_norm(self):
         """The gradient norm of the last boundary step (before clipping), or None before the first."""
         return self.optimizer.global_grad_norm() if self.optimizer is not None else None
+
+    def autotp_size(self):
+        """``tensor_parallel.autotp_size`` of the config (0 or 1: no automatic tensor parallelism)."""
+        return self._config.tensor_parallel_config.autotp_size
+
+    def tensor_parallel_config(self):
+        return self._config.tensor_parallel_config
 
     def zero_gather_16bit_weights_on_model_save(self):
         return bool(self._config.zero_config.stage3_gather_16bit_weights_on_model_save)
@@ -565,6 +583,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self._unused_check = None
         if self._stage is not None:
             self._stage.release()
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.release()
         engine_lifecycle.retire(self)
 
 

@@ -2,21 +2,26 @@
 """The engine's mesh: checked from the config, the ``mpu`` and the model, built once, and what follows from it.
 
 :func:`check_mesh_inputs` runs on every rank before any collective and raises the same
-error everywhere for a mesh that cannot be laid out (a sequence-parallel or expert-parallel
-size that does not divide the world, an expert layer whose experts do not split over its
-``ep_size``, an ``mpu`` with tensor parallelism). :func:`build_engine_mesh` then creates the
-groups (:mod:`deepspeed.utils.groups`), :func:`reduction_plan` says over which group and with
-which divisor every parameter's gradient is reduced, and :func:`broadcast_model` starts
+error everywhere for a mesh that cannot be laid out (a sequence-parallel, tensor-parallel or
+expert-parallel size that does not divide the world, an expert layer whose experts do not split
+over its ``ep_size``, an ``mpu`` that reports tensor parallelism without its groups).
+:func:`build_engine_mesh` then creates the groups (:mod:`deepspeed.utils.groups`),
+:func:`reduction_plan` says over which group and with which divisor every parameter's
+gradient is reduced (a tensor-parallel model's replicated parameters over the data- and
+tensor-parallel ranks), and :func:`broadcast_model` starts
 every rank from the same weights: dense parameters from the first rank of the
 sequence-data-parallel group, expert parameters from the first rank of their
 expert-data-parallel group (different expert-parallel ranks hold different experts).
 """
+
+import dataclasses
 
 import torch
 
 import deepspeed.comm as dist
 from deepspeed.moe.utils import expert_group_size, expert_parallel_sizes, is_moe_param
 from deepspeed.runtime.sequence_parallel.loss import gradient_divisor
+from deepspeed.runtime.tensor_parallel import replicated
 from deepspeed.runtime.zero.reduction_spec import ReductionPlan, ReductionSpec
 from deepspeed.utils import groups
 
@@ -46,17 +51,32 @@ def model_key(model):
     return int(getattr(model, "stage_id", 0)) if model_layout(model) is not None else 0
 
 
-def check_mesh_inputs(config, model, mpu):
-    """The expert-parallel sizes of ``model``; raises on every rank, before any collective, for a bad mesh."""
+def mpu_model_parallel_size(mpu):
+    """The tensor (model) parallel size an ``mpu`` reports (1 without one)."""
+    return 1 if mpu is None else _mpu_model_parallel_size(mpu)
+
+
+def check_mesh_inputs(config, model, mpu, model_parallel_size=1):
+    """The expert-parallel sizes of ``model``; raises on every rank, before any collective, for a bad mesh.
+
+    ``model_parallel_size``: the tensor-parallel size (``tensor_parallel.autotp_size``, or an mpu's).
+    """
     layout = model_layout(model)
     if layout is not None and (sequence_parallel_size(config) or 1) > 1:
         raise NotImplementedError("sequence parallelism (config key 'sequence_parallel_size') together with "
                                   "pipeline parallelism is not supported; see docs/compatibility.md")
-    if mpu is not None and _mpu_model_parallel_size(mpu) > 1:
-        raise NotImplementedError(f"an mpu with model (tensor) parallel size {_mpu_model_parallel_size(mpu)} is not "
-                                  f"supported: gradient norms and clipping over tensor-parallel shards are not built; "
-                                  f"an mpu is accepted for its data- and sequence-parallel groups (see "
-                                  f"docs/compatibility.md)")
+    if layout is not None and model_parallel_size > 1:
+        raise NotImplementedError(f"tensor parallelism (size {model_parallel_size}) together with pipeline "
+                                  f"parallelism is not supported; see docs/compatibility.md")
+    mpu_mp = mpu_model_parallel_size(mpu)
+    if mpu_mp > 1 and not any(
+            hasattr(mpu, n) for n in ("get_model_parallel_group", "get_tensor_model_parallel_group")):
+        raise ValueError(f"the mpu ({type(mpu).__name__}) reports model (tensor) parallel size {mpu_mp} but has no "
+                         f"get_model_parallel_group() / get_tensor_model_parallel_group(): the tensor-parallel "
+                         f"groups cannot be known")
+    if mpu_mp > 1 and model_parallel_size not in (1, mpu_mp):
+        raise ValueError(f"tensor_parallel.autotp_size ({model_parallel_size}) differs from the mpu's model-parallel "
+                         f"size ({mpu_mp})")
     for module in model.modules():
         check = getattr(module, "check_expert_layout", None)
         if check is not None:
@@ -68,11 +88,12 @@ def check_mesh_inputs(config, model, mpu):
     elif mpu is None:
         groups.MeshDescription.standard(world,
                                         sequence_parallel_size=sequence_parallel_size(config) or 1,
-                                        expert_parallel_sizes=sizes)
+                                        expert_parallel_sizes=sizes,
+                                        model_parallel_size=model_parallel_size)
     return sizes
 
 
-def build_engine_mesh(config, model, mpu, device, sizes):
+def build_engine_mesh(config, model, mpu, device, sizes, model_parallel_size=1):
     """Create the mesh's groups (a collective) and hand them to the model's MoE layers."""
     layout = model_layout(model)
     if layout is not None:  # the stages the model was cut into (its groups exist already)
@@ -84,7 +105,8 @@ def build_engine_mesh(config, model, mpu, device, sizes):
         mesh = groups.initialize_mesh(sequence_parallel_size=sequence_parallel_size(config),
                                       expert_parallel_sizes=sizes,
                                       mpu=mpu,
-                                      device=device)
+                                      device=device,
+                                      model_parallel_size=model_parallel_size)
     for module in model.modules():
         setter = getattr(module, "set_deepspeed_parallelism", None)
         if setter is not None and callable(setter):
@@ -118,7 +140,29 @@ def reduction_plan(mesh):
     dp = gradient_divisor(mesh.description.data_parallel_size, mesh.description.sequence_parallel_size)
     dense = _spec(mesh, "sequence_data_parallel", dp, "dense")
     experts = {name: _spec(mesh, f"expert_data_parallel:{name}", dp, name) for name in mesh.description.group_names()}
-    return ReductionPlan(dense, experts)
+    tp = mesh.description.model_parallel_size
+    if tp == 1:
+        return ReductionPlan(dense, experts)
+    # Tensor parallelism (runtime/tensor_parallel/replicated.py): a replicated parameter is partitioned over the
+    # data-parallel ranks like a cut one, and its gradient summed over the tensor-parallel ranks too (one all-reduce
+    # over both for stage 0, the partition's chunk over the tensor group for stages 1-2, the shards once per window
+    # for stage 3). A "mean" one computed its whole gradient on every tensor-parallel rank (tp replicas of it are
+    # added up), a "sum" one its share. Each tensor-parallel rank's partitions then hold all of its parameters, so
+    # its checkpoint files are complete by themselves.
+    tp_group = _spec(mesh, "model_parallel", 1, "tensor").group
+    union = _spec(mesh, "model_data_parallel", 1, "union").group
+    tensor = {
+        kind:
+        dataclasses.replace(dense,
+                            name=f"tensor_{kind}",
+                            replicas=tp if kind == replicated.MEAN else 1,
+                            tensor_group=tp_group,
+                            tensor_size=tp,
+                            union_group=union)
+        for kind in (replicated.SUM, replicated.MEAN)
+    }
+    norm = _spec(mesh, "model_data_parallel", 1, "norm")
+    return ReductionPlan(dense, experts, tensor, norm_group=norm.group, norm_size=norm.world_size)
 
 
 @torch.no_grad()

@@ -29,6 +29,9 @@ The pipeline axis is outermost and the model (tensor) axis innermost, as upstrea
   (``[0, 2], [1, 3]`` there); the sequence-data-parallel group joins every rank of one
   model-parallel index (every rank that saw different tokens: the whole world when
   ``model_parallel_size`` is 1);
+* the model-data-parallel group joins the sequence-data-parallel groups of every model-parallel
+  index: all the ranks of one pipeline stage (the whole world without pipeline parallelism),
+  over which a tensor-parallel model's replicated parameters are reduced;
 * every other group lies within one pipeline stage;
 * expert-parallel groups of size ``ep`` are contiguous runs of each sequence-data-parallel
   group (``[0, 1], [2, 3]`` for ep 2 of world 4) and the expert-data-parallel groups stride
@@ -105,6 +108,7 @@ class MeshDescription:
     pipe_parallel_size: int = 1
     pipe_parallel_ranks: Table = ()
     pipe_model_parallel_ranks: Table = ()
+    model_data_parallel_ranks: Table = ()  # every rank of one pipeline stage: sequence-data x model parallel
     expert_tables: Dict[str, Tuple[Table, Table]] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------ building
@@ -183,6 +187,11 @@ class MeshDescription:
             raise MeshError(f"inconsistent mesh: the pipeline-parallel groups {[list(r) for r in tables[4]]} and the "
                             f"model-parallel groups {[list(r) for r in tables[0]]} do not form pipeline x model "
                             f"blocks of {pp * mp} ranks")
+        mdp_table = _joined(tables[3], tables[0], world_size)
+        if mdp_table is None or any(len(ranks) != spdp * mp for ranks in mdp_table):
+            raise MeshError(f"inconsistent mesh: the sequence-data-parallel groups {[list(r) for r in tables[3]]} and "
+                            f"the model-parallel groups {[list(r) for r in tables[0]]} do not form blocks of "
+                            f"{spdp * mp} ranks")
         sizes = tuple(sorted({int(e) for e in expert_parallel_sizes}))
         experts = {}
         for ep in sizes:
@@ -204,6 +213,7 @@ class MeshDescription:
                    pipe_parallel_size=pp,
                    pipe_parallel_ranks=tables[4],
                    pipe_model_parallel_ranks=pmp_table,
+                   model_data_parallel_ranks=mdp_table,
                    expert_tables=experts)
 
     def with_expert_sizes(self, expert_parallel_sizes):
@@ -235,7 +245,8 @@ class MeshDescription:
         out = [("model_parallel", self.model_parallel_ranks), ("sequence_parallel", self.sequence_parallel_ranks),
                ("data_parallel", self.data_parallel_ranks),
                ("sequence_data_parallel", self.sequence_data_parallel_ranks),
-               ("pipe_parallel", self.pipe_parallel_ranks), ("pipe_model_parallel", self.pipe_model_parallel_ranks)]
+               ("pipe_parallel", self.pipe_parallel_ranks), ("pipe_model_parallel", self.pipe_model_parallel_ranks),
+               ("model_data_parallel", self.model_data_parallel_ranks)]
         for name in self.group_names():
             ep_table, edp_table = self.expert_tables[name]
             out.append((f"expert_parallel:{name}", ep_table))
@@ -683,6 +694,19 @@ def _get_pipe_model_parallel_world_size():
 
 def _get_pipe_model_parallel_rank():
     return _index("pipe_model_parallel")
+
+
+def _get_model_data_parallel_group():
+    """Every rank of this rank's pipeline stage (sequence-data x model parallel)."""
+    return _group("model_data_parallel")
+
+
+def _get_model_data_parallel_world_size():
+    return _size("model_data_parallel")
+
+
+def _get_model_data_parallel_rank():
+    return _index("model_data_parallel")
 
 
 # Tensor parallelism: upstream's public accessors (the model-parallel axis of the mesh is the tensor axis).

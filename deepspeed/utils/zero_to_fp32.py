@@ -182,16 +182,42 @@ def _upstream_state_dict(ds_dir, checkpoint, model_path, exclude_frozen_paramete
     return result
 
 
+def _tensor_parallel_state_dict(ds_dir, exclude_frozen_parameters):
+    """A checkpoint saved with tensor parallelism: every tensor-parallel rank's files merged into whole tensors."""
+    from deepspeed.runtime.tensor_parallel.checkpoint import merged_full_state
+    root, tag = os.path.split(os.path.abspath(ds_dir))
+    model_states, full, frozen, _, _ = merged_full_state(root, tag)
+    shared = model_states.get("shared_params") or {}
+    frozen_names = set(model_states.get("frozen_param_shapes") or {})
+    result = OrderedDict()
+    for name, tensor in model_states["module"].items():
+        target = shared.get(name, name)
+        if target in full.fp32:
+            result[name] = full.fp32[target]
+        elif target in frozen_names:
+            if not exclude_frozen_parameters:
+                result[name] = frozen.get(target, tensor)
+        else:
+            result[name] = tensor  # a buffer
+    for name, value in full.fp32.items():
+        result.setdefault(name, value)
+    return result
+
+
 def _fp32_state_dict(ds_dir, exclude_frozen_parameters):
     from deepspeed.checkpoint.upstream_format import is_upstream_model_states
     model_path = os.path.join(ds_dir, paths.MODEL_STATES_FILE)
     zero3_path = os.path.join(ds_dir, paths.ZERO3_MODEL_STATES_FILE.format(rank=0))
     if not os.path.exists(model_path) and os.path.exists(zero3_path):
         checkpoint = load_file(zero3_path, "the model states")
+        if int(checkpoint.get("tensor_parallel_size") or 1) > 1:
+            return _tensor_parallel_state_dict(ds_dir, exclude_frozen_parameters)
         if is_upstream_model_states(checkpoint):
             return _upstream_state_dict(ds_dir, checkpoint, zero3_path, exclude_frozen_parameters)
         return _zero3_state_dict(ds_dir, zero3_path, exclude_frozen_parameters)
     checkpoint = load_file(model_path, "the model states")
+    if int(checkpoint.get("tensor_parallel_size") or 1) > 1:
+        return _tensor_parallel_state_dict(ds_dir, exclude_frozen_parameters)
     if is_upstream_model_states(checkpoint):
         return _upstream_state_dict(ds_dir, checkpoint, model_path, exclude_frozen_parameters)
     fp32 = _trainable_fp32(ds_dir, checkpoint, model_path)

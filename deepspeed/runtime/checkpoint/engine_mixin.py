@@ -85,22 +85,40 @@ class CheckpointEngineMixin:
             raise ValueError("_zero3_consolidated_16bit_state_dict() needs a ZeRO stage 3 engine with an optimizer")
         return consolidated_16bit_state_dict(self.module, self._stage.checkpoint(), exclude_frozen_parameters)
 
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """Collective (every rank): the whole, unsharded state dict of the model on rank 0, None elsewhere.
+
+        A tensor-parallel model's cut parameters are gathered over their group and reassembled (and, with ZeRO-3,
+        over their data-parallel group first); otherwise as ``_zero3_consolidated_16bit_state_dict`` (stage 3) or the
+        module's state dict (stages 0-2). What Accelerate's ``get_state_dict`` calls with ``autotp_size`` > 1.
+        """
+        from deepspeed.runtime.tensor_parallel.checkpoint import consolidated_state_dict
+        if self.mp_world_size > 1:
+            return consolidated_state_dict(self, exclude_frozen_parameters)
+        if self.zero_optimization_stage() == 3:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        state = module_state_dict(self.module, exclude_frozen_parameters) if self.global_rank == 0 else None
+        return clone_tensors_for_torch_save(state)
+
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Rank 0 writes the module's state dict (in the model's dtype) to ``<save_dir>/<save_filename>``.
 
         Stages 0-2: not collective (as upstream); other ranks only check their arguments.
         Stage 3: collective (the parameters are gathered); returns False without writing
-        when ``stage3_gather_16bit_weights_on_model_save`` is off. Otherwise returns True.
+        when ``stage3_gather_16bit_weights_on_model_save`` is off. Tensor parallelism: collective,
+        the unsharded model. Otherwise returns True.
         """
         save_dir = check_dir(save_dir, "save_16bit_model")
         if not save_filename or not str(save_filename).strip():
             raise ValueError("save_16bit_model: save_filename is empty")
         path = os.path.join(save_dir, str(save_filename))
-        if self.zero_optimization_stage() == 3:
-            if not self.zero_gather_16bit_weights_on_model_save():
-                logger.warning(f"save_16bit_model: did not save {path}: with ZeRO stage 3 it needs "
-                               f"zero_optimization.stage3_gather_16bit_weights_on_model_save=true")
-                return False
+        if self.zero_optimization_stage() == 3 and not self.zero_gather_16bit_weights_on_model_save():
+            logger.warning(f"save_16bit_model: did not save {path}: with ZeRO stage 3 it needs "
+                           f"zero_optimization.stage3_gather_16bit_weights_on_model_save=true")
+            return False
+        if self.mp_world_size > 1:  # tensor parallelism: the unsharded model (a collective)
+            state = self._consolidated_16bit_state_dict(exclude_frozen_parameters)
+        elif self.zero_optimization_stage() == 3:
             # fresh CPU tensors already, tied names bound to one tensor (saved once, as upstream)
             state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         else:

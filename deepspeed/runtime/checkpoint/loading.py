@@ -38,7 +38,7 @@ from deepspeed.runtime.checkpoint.model_state import check_module, client_state_
 from deepspeed.runtime.checkpoint.optimizer_state import import_scaler
 from deepspeed.runtime.checkpoint.reader import resolve_tag
 from deepspeed.runtime.checkpoint.saved import SavedCheckpoint
-from deepspeed.runtime.checkpoint.saving import check_stage
+from deepspeed.runtime.checkpoint.saving import agreement_group, check_stage, parallel_ranks
 from deepspeed.runtime.checkpoint.stage_checkpoint import checkpoint_of
 from deepspeed.runtime.checkpoint.validate import CheckpointError, agree, check_dir
 from deepspeed.utils.logging import logger
@@ -56,7 +56,7 @@ class _Load:
         self.module_only = load_module_only
         self.custom_load_fn = custom_load_fn
         self.name_of = param_names(engine.module)
-        self.dp_rank = engine.global_rank
+        self.dp_rank, self.mp_rank = parallel_ranks(engine)
         self.tag = None
         self.reason = None
         self.saved = None
@@ -66,6 +66,13 @@ class _Load:
         self.refresh_masters = False
         self.needs_all_files = False
         self.with_state = False  # the optimizer state is loaded too (phase 2 rebuilds it)
+
+    def _local(self, values):
+        """A tensor-parallel engine keeps this rank's piece of every whole tensor (a universal folder's)."""
+        if self.engine.mp_world_size == 1 or values is None:
+            return values
+        from deepspeed.runtime.tensor_parallel.checkpoint import localize
+        return localize(self.engine.module, values)
 
     @property
     def model_path(self):
@@ -78,9 +85,14 @@ class _Load:
         self.tag, self.reason = resolve_tag(load_dir, tag, latest=LATEST_UNIVERSAL_FILE if universal else None)
         if self.tag is None:
             return
-        self.saved = saved = SavedCheckpoint(load_dir, self.tag, self.dp_rank, universal=universal)
+        self.saved = saved = SavedCheckpoint(load_dir,
+                                             self.tag,
+                                             self.dp_rank,
+                                             universal=universal,
+                                             mp_rank=self.mp_rank,
+                                             mp_size=self.engine.mp_world_size)
         check_module(saved.saved_shapes(), self.engine.module, self.strict, saved.model_path)
-        self.module_values = saved.module_values()
+        self.module_values = self._local(saved.module_values())
         if saved.per_rank:
             self._read_per_rank()
         elif self.has_optimizer:
@@ -110,6 +122,7 @@ class _Load:
         if saved.saved_stage == 0:
             names = [self.name_of[p] for group in self.stage.param_groups() for p in group]
             full, self.scaler = saved.stage0_full_state(names)
+            full = self._local(full)
             self.apply_optimizer = self.stage.prepare_import(full, self.with_state, self.name_of, saved.model_path)
             return
         if saved.saved_stage not in (1, 2):
@@ -136,6 +149,7 @@ class _Load:
     def read_all_partitions(self):
         saved = self.saved
         full, frozen, self.scaler = saved.full_state(self.with_state)
+        full, frozen = self._local(full), self._local(frozen)
         if saved.per_rank:
             self.module_values = saved.module_values(full, frozen)
         if self.has_optimizer:
@@ -189,7 +203,7 @@ def load(engine,
          custom_load_fn=None):
     """See the module docstring; returns ``(model-states path, client_state)`` or ``(None, None)``."""
     check_stage(engine, "load_checkpoint")
-    group = engine.data_parallel_group
+    group = agreement_group(engine)
     plan = _Load(engine, load_module_strict, load_optimizer_states, load_module_only, custom_load_fn)
     expert_checkpoint.check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, load_module_strict)
     error = None

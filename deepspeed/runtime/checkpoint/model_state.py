@@ -29,7 +29,8 @@ RESERVED_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params", "lr_scheduler",
     "global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "frozen_param_fragments", "sparse_tensor_module_names", "csr_tensor_module_names", "data_sampler", "random_ltd",
-    "checkpoint_parallel_dimensions", UNIVERSAL_CHECKPOINT_INFO, META_KEY
+    "checkpoint_parallel_dimensions", UNIVERSAL_CHECKPOINT_INFO, META_KEY, "tensor_parallel_layout",
+    "tensor_parallel_size"
 })
 # What upstream's load removes from the returned dict: always the module; unless only the module is loaded, the
 # counters and the world sizes it restored; the scheduler and the optimizer when it loaded them.
@@ -111,6 +112,11 @@ def build_model_states(engine, groups, exclude_frozen_parameters, meta, client_s
     )
     # what ds_to_universal requires of a model-states file (upstream writes it only when the client adds it)
     states[UNIVERSAL_CHECKPOINT_INFO] = universal_info()
+    if engine.mp_world_size > 1:  # how each cut parameter is laid out over the tensor-parallel ranks
+        from deepspeed.runtime.tensor_parallel.checkpoint import TP_LAYOUT_KEY, TP_SIZE_KEY, encode_layout
+        states[TP_LAYOUT_KEY] = encode_layout(engine.module)
+        states[TP_SIZE_KEY] = engine.mp_world_size
+        states[UNIVERSAL_CHECKPOINT_INFO][TP_LAYOUT_KEY] = states[TP_LAYOUT_KEY]
     states[META_KEY] = meta
     states.update(client_state)
     return states
@@ -167,8 +173,13 @@ def check_module(saved_shapes, module, strict, path):
     """
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     current = model_shapes(module)
+    # a tensor-parallel parameter matches this rank's piece or the whole tensor (a universal folder's)
+    whole = {
+        name: tuple(p.ds_tp_layout.full_shape)
+        for name, p in module.named_parameters(remove_duplicate=False) if hasattr(p, "ds_tp_layout")
+    }
     for name, shape in saved_shapes.items():
-        if name in current and tuple(shape) != current[name]:
+        if name in current and tuple(shape) != current[name] and tuple(shape) != whole.get(name):
             kind = "parameter" if name in params else "buffer"
             raise CheckpointError(f"{path}: {kind} '{name}' has shape {tuple(shape)} in the checkpoint but "
                                   f"{current[name]} in the model; the checkpoint is of a different model")

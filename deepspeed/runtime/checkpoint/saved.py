@@ -40,12 +40,17 @@ from deepspeed.runtime.checkpoint.validate import CheckpointError
 class SavedCheckpoint:
     """The checkpoint under ``<load_dir>/<tag>`` as data-parallel rank ``dp_rank`` reads it."""
 
-    def __init__(self, load_dir, tag, dp_rank, universal=False):
+    def __init__(self, load_dir, tag, dp_rank, universal=False, mp_rank=0, mp_size=1):
         self.directory = paths.tag_dir(load_dir, tag)
-        replicated = paths.model_states_path(load_dir, tag)
-        rank0 = paths.zero3_model_states_path(load_dir, tag, 0)
+        # Tensor parallelism: each tensor-parallel rank reads its own files (mp_rank_{t:02d}); whole tensors (a
+        # universal folder, a checkpoint saved without tensor parallelism) are read from rank 0's files.
+        if universal or not (os.path.exists(paths.model_states_path(load_dir, tag, mp_rank))
+                             or os.path.exists(paths.zero3_model_states_path(load_dir, tag, 0, mp_rank))):
+            mp_rank = 0
+        replicated = paths.model_states_path(load_dir, tag, mp_rank)
+        rank0 = paths.zero3_model_states_path(load_dir, tag, 0, mp_rank)
         self.per_rank = not os.path.exists(replicated) and os.path.exists(rank0)
-        own = paths.zero3_model_states_path(load_dir, tag, dp_rank)
+        own = paths.zero3_model_states_path(load_dir, tag, dp_rank, mp_rank)
         if self.per_rank:
             # a rank the save did not have reads rank 0's file: the buffers are the same on every rank
             self.model_path = own if os.path.exists(own) else rank0
@@ -57,8 +62,14 @@ class SavedCheckpoint:
         self.checkpoint = ckpt
         self.meta = meta = ckpt.get(META_KEY) or {}
         # a checkpoint in another format (a universal folder, or upstream DeepSpeed's): read by its format's reader
+        saved_tp = int(ckpt.get("tensor_parallel_size") or 1)
         if universal:
             self.reader = UniversalCheckpoint(self.directory, ckpt, self.model_path)
+        elif mp_size is not None and saved_tp > 1 and saved_tp != mp_size:  # another tensor-parallel size: merged
+            from deepspeed.runtime.tensor_parallel.checkpoint import MergedTensorParallel
+            self.reader = MergedTensorParallel(load_dir, tag)
+            self.checkpoint = ckpt = self.reader.checkpoint
+            self.per_rank = False
         elif is_upstream_model_states(ckpt):
             self.reader = UpstreamCheckpoint(self.directory, ckpt, self.model_path)
         else:

@@ -7,7 +7,9 @@
 2. Every rank creates ``<save_dir>/<tag>`` and writes the files its stage lists
    (``StageCheckpoint.checkpoint_files``): rank 0 ``mp_rank_00_model_states.pt`` (with the
    optimizer state for stage 0), every rank of stages 1/2 its optimizer file, every rank
-   of stage 3 its own model-states file (buffers, no parameters) and optimizer file. Each
+   of stage 3 its own model-states file (buffers, no parameters) and optimizer file; with tensor
+   parallelism each tensor-parallel rank ``t`` writes that set for its data-parallel group, named
+   ``mp_rank_{t:02d}`` (``paths``), and the agreements span every rank. Each
    file is written under a temporary name and renamed (``writer``), and carries the save id.
 3. The ranks agree again (a barrier that also carries write errors).
 4. Rank 0 writes ``latest`` (when ``save_latest``), then a last agreement: when
@@ -47,6 +49,20 @@ def check_stage(engine, what):
     return stage
 
 
+def agreement_group(engine):
+    """The ranks that agree on a save or load: the data-parallel group, or every rank when the model is cut over
+    tensor-parallel ranks (each writes its own files, and ``latest`` must name a tag all of them finished)."""
+    return None if engine.mp_world_size > 1 else engine.data_parallel_group
+
+
+def parallel_ranks(engine):
+    """``(data-parallel rank, tensor-parallel rank)`` of this rank: which files it writes and reads."""
+    from deepspeed.utils import groups
+    if engine.mp_world_size > 1:
+        return groups._get_sequence_data_parallel_rank(), groups.get_tensor_model_parallel_rank()
+    return engine.global_rank, 0
+
+
 def _local_checks(engine, save_dir, tag, client_state):
     save_dir = check_dir(save_dir, "save_checkpoint")
     tag = check_tag(paths.default_tag(engine.global_steps) if tag is None else tag, "save_checkpoint")
@@ -59,7 +75,10 @@ def _local_checks(engine, save_dir, tag, client_state):
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
     """See the module docstring; returns True."""
     check_stage(engine, "save_checkpoint")
-    group = engine.data_parallel_group
+    if engine.mp_world_size > 1 and getattr(engine._config, "checkpoint_save_format", "native") == "upstream":
+        raise NotImplementedError("checkpoint.save_format 'upstream' with tensor parallelism is not supported; save "
+                                  "the native format (upstream's file names per tensor-parallel rank)")
+    group = agreement_group(engine)
     rank = engine.global_rank
     error = None
     try:
@@ -114,16 +133,19 @@ def _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_par
                                               optimizer=optimizer,
                                               module=module)
 
-    save = SaveContext(name_of=model_state.param_names(engine.module),
-                       save_id=save_id,
-                       dp_rank=rank,
-                       dp_world_size=engine.seq_dp_world_size,  # the ranks ZeRO partitions span (data x sequence)
-                       bf16=bool(engine.bfloat16_enabled()),
-                       fp16=bool(engine.fp16_enabled()),
-                       exclude_frozen_parameters=exclude_frozen_parameters,
-                       scaler=export_scaler(engine),
-                       ds_config=engine.config,
-                       build_model_states=build_model_states)
+    dp_rank, mp_rank = parallel_ranks(engine)
+    save = SaveContext(
+        name_of=model_state.param_names(engine.module),
+        save_id=save_id,
+        dp_rank=dp_rank,
+        mp_rank=mp_rank,
+        dp_world_size=engine.seq_dp_world_size,  # the ranks ZeRO partitions span (data x sequence)
+        bf16=bool(engine.bfloat16_enabled()),
+        fp16=bool(engine.fp16_enabled()),
+        exclude_frozen_parameters=exclude_frozen_parameters,
+        scaler=export_scaler(engine),
+        ds_config=engine.config,
+        build_model_states=build_model_states)
     directory = paths.tag_dir(save_dir, tag)
     os.makedirs(directory, exist_ok=True)
     for name, payload in stage.checkpoint_files(save):

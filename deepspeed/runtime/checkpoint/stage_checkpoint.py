@@ -52,6 +52,7 @@ class SaveContext:
     scaler: dict  # the loss-scaler entries every optimizer state carries
     ds_config: dict
     build_model_states: Callable  # (groups, meta, optimizer=None, module=None) -> dict
+    mp_rank: int = 0  # this rank's tensor-parallel rank: its files are named mp_rank_{mp_rank:02d}
 
     def meta(self, zero_stage, **extra):
         """The ``ds_checkpoint_meta`` entry of a stage with an optimizer (``extra``: stage-specific keys)."""
@@ -232,7 +233,7 @@ class ModuleOnly(StageCheckpoint):
         if save.dp_rank != 0:
             return []
         meta = dict(save.meta(self.zero_stage, optim_files=[]), has_optimizer=False)
-        return [(paths.MODEL_STATES_FILE, save.model_states(self.param_groups(), meta))]
+        return [(paths.model_states_name(save.mp_rank), save.model_states(self.param_groups(), meta))]
 
 
 def checkpoint_of(engine):

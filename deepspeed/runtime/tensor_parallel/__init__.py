@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Automatic tensor parallelism for training (AutoTP), under upstream's module paths: not built.
+"""Automatic tensor parallelism for training (AutoTP), under upstream's module paths (docs/tensor_parallel.md).
 
-The names import; ``TpTrainingManager``, ``tp_model_init`` and ``get_tensor_parallel_config`` for a config
-with ``tensor_parallel.autotp_size > 1`` raise ``NotImplementedError``.
+``config``: the ``tensor_parallel`` section; ``init_utils``: ``tp_model_init`` and its merge rules;
+``plan``: the sharding plan from partition_config / presets, HF ``tp_plan`` or the heuristic;
+``sharding``: the one function that applies a plan; ``mappings``: the four collectives;
+``replicated``: which replicated parameters act on sharded activations; ``data_check``: the
+first forward's checks; ``training``: the engine's part; ``checkpoint``: whole tensors and
+other tensor-parallel sizes.
 """
 
-from .config import AUTOTP_MODE, get_tensor_parallel_config  # noqa: F401
+from .config import AUTOTP_MODE, TPConfig, TPTrainingConfig, get_tensor_parallel_config  # noqa: F401
 from .tp_manager import TpTrainingManager  # noqa: F401

@@ -64,9 +64,10 @@ class PartitionedCheckpoint(FlatMastersCheckpoint):
         import deepspeed
         files = []
         if save.dp_rank == 0:
-            meta = save.meta(stage.stage,
-                             optim_files=[paths.optim_states_name(r, save.bf16) for r in range(save.dp_world_size)])
-            files.append((paths.MODEL_STATES_FILE, save.model_states(self.param_groups(), meta)))
+            meta = save.meta(
+                stage.stage,
+                optim_files=[paths.optim_states_name(r, save.bf16, save.mp_rank) for r in range(save.dp_world_size)])
+            files.append((paths.model_states_name(save.mp_rank), save.model_states(self.param_groups(), meta)))
         state = dict(zero_stage=stage.stage,
                      base_optimizer_state=self.inner.state_dict(),
                      single_partition_of_fp32_groups=[m.detach() for m in stage.masters],
@@ -76,7 +77,7 @@ class PartitionedCheckpoint(FlatMastersCheckpoint):
         extra = stage.extra_state()  # ZenFlow's window, selection and device part
         if extra is not None:
             state[STAGE_EXTRA_KEY] = extra
-        files.append((paths.optim_states_name(self.layout.rank, save.bf16), save.optimizer_file(state)))
+        files.append((paths.optim_states_name(self.layout.rank, save.bf16, save.mp_rank), save.optimizer_file(state)))
         return files
 
     # ---------------------------------------------------------------- import

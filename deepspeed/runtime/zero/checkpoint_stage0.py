@@ -59,7 +59,7 @@ class Stage0Checkpoint(StageCheckpoint):
         states = save.model_states(self.param_groups(),
                                    save.meta(0, optim_files=[]),
                                    optimizer=self._optimizer_entry(save))
-        return [(paths.MODEL_STATES_FILE, states)]
+        return [(paths.model_states_name(save.mp_rank), states)]
 
     # ---------------------------------------------------------------- import
     def prepare_import(self, source, load_optimizer_states, name_of, describe):

@@ -73,8 +73,8 @@ class Stage3Checkpoint(FlatMastersCheckpoint):
         module = stage.module
         world = save.dp_world_size
         meta = save.meta(3,
-                         optim_files=[paths.optim_states_name(r, save.bf16) for r in range(world)],
-                         model_files=[paths.ZERO3_MODEL_STATES_FILE.format(rank=r) for r in range(world)],
+                         optim_files=[paths.optim_states_name(r, save.bf16, save.mp_rank) for r in range(world)],
+                         model_files=[paths.zero3_model_states_name(r, save.mp_rank) for r in range(world)],
                          state_dict_keys=list(module.state_dict().keys()))
         states = save.model_states(self.param_groups(), meta, module=persistent_buffers(module))
         frozen = None
@@ -90,8 +90,8 @@ class Stage3Checkpoint(FlatMastersCheckpoint):
         if extra is not None:
             state[STAGE_EXTRA_KEY] = extra
         rank = self.layout.rank
-        return [(paths.ZERO3_MODEL_STATES_FILE.format(rank=rank), states),
-                (paths.optim_states_name(rank, save.bf16), save.optimizer_file(state))]
+        return [(paths.zero3_model_states_name(rank, save.mp_rank), states),
+                (paths.optim_states_name(rank, save.bf16, save.mp_rank), save.optimizer_file(state))]
 
     @torch.no_grad()
     def full_16bit_value(self, param):

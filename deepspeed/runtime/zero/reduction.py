@@ -28,7 +28,11 @@ Three geometries, one per kind of stage:
   persistent full-size buffer (stage 1) or allocated per bucket and dropped at launch
   (stage 2);
 * :class:`UnitGeometry` (stage 3): a parameter unit is staged rank-major (row ``r`` holds
-  every parameter's shard ``r``) and reduce-scattered into the rank's shards.
+  every parameter's shard ``r``) and reduce-scattered into the rank's shards. Units are reduced
+  over the dense group only; the shards of a tensor-parallel model's replicated parameters
+  (the same shard on every tensor-parallel rank) are then summed over the tensor-parallel group
+  once per window, by :meth:`UnitGeometry.reduce_replicas` (unit boundaries may differ between
+  tensor-parallel ranks, whose cut parameters differ in size; the replicated shards do not).
 
 Each bucket carries the :class:`~deepspeed.runtime.zero.reduction_spec.ReductionSpec` of its
 parameters (``reduction``, a :class:`~deepspeed.runtime.zero.reduction_spec.ReductionPlan`): a
@@ -123,8 +127,8 @@ class _Geometry:
         self.offloaded = part_device is not None
         self.part_device = torch.device(part_device) if part_device is not None else self.device
         self.pin_memory = pin_memory
-        self.identity = (all(spec.world_size == 1 for spec in self.reduction.specs()) and not self.offloaded
-                         and self.part_device == self.device)
+        self.identity = (all(spec.world_size * spec.tensor_size == 1 for spec in self.reduction.specs())
+                         and not self.offloaded and self.part_device == self.device)
         # Host partitions: every fold goes through the folder (on a CPU-only machine too, so the logic the
         # GPU runs is the one tests exercise).
         self.folder = HostFolder(self.device) if self.offloaded else None
@@ -154,6 +158,14 @@ class _Geometry:
     def _reduce(self, send, chunk, spec):
         """Start reducing the flat ``send`` over ``spec``'s group; return ``(work, out)`` with ``out`` this rank's
         ``chunk`` elements."""
+        if spec.tensor_size > 1:  # a tensor-parallel model's replicated parameters: over the data ranks, then
+            work, out = self._reduce_data(send, chunk, spec)  # the chunk over the tensor-parallel ranks
+            if work is not None:
+                work.wait()  # the chunk must be complete before it is summed again
+            return self.transport.all_reduce(out, spec.tensor_group), out
+        return self._reduce_data(send, chunk, spec)
+
+    def _reduce_data(self, send, chunk, spec):
         if spec.world_size == 1:
             return None, send
         if self._use_reduce_scatter:
@@ -239,7 +251,8 @@ class ReplicatedGeometry(_Geometry):
             staged = late if late is not None else torch.zeros_like(self._regions[index])
         send = _comm_cast(staged, self.comm_dtype)
         group_spec = bucket.spec
-        work = self.transport.all_reduce(send, group_spec.group) if group_spec.world_size > 1 else None
+        group = group_spec.union_group if group_spec.tensor_size > 1 else group_spec.group
+        work = self.transport.all_reduce(send, group) if group_spec.world_size * group_spec.tensor_size > 1 else None
         return Flight(bucket, work, send, staged, own)
 
     def fold(self, flight):
@@ -373,6 +386,8 @@ class UnitGeometry(_Geometry):
 
     def __init__(self, units, part_layout, *, use_reduce_scatter, **common):
         super().__init__(**common)
+        # units are reduced over the dense group only (replicated shards: reduce_replicas)
+        self.identity = self.spec.world_size == 1 and not self.offloaded and self.part_device == self.device
         self._use_reduce_scatter = use_reduce_scatter
         self.units = units
         self.part_layout = part_layout
@@ -488,8 +503,62 @@ class UnitGeometry(_Geometry):
         for piece, column, length in self._segments[flight.bucket.index]:
             self._fold_into(piece, out.narrow(0, column, length))
 
+    # --------------------------------------------------- replicated parameters of a tensor-parallel model
+    def set_replicas(self, params):
+        """The replicated parameters (``spec_of(p)`` a tensor-parallel spec), in an order every tensor-parallel
+        rank shares (the model's parameter order)."""
+        self._replicas = []
+        for param in params:
+            spec = self.reduction.spec_of(param)
+            if spec.tensor_size > 1 and param in self.part_layout.slots:
+                slot = self.part_layout.slots[param]
+                if slot.group < len(self.grad_parts):
+                    self._replicas.append((param, slot.group, slot.part_offset, slot.shard, spec))
+        self._replicas_reduced = None
+
+    def replica_pieces(self):
+        """This rank's shards of the replicated parameters' window gradient (views of the partitions)."""
+        return [
+            self.grad_parts[g].narrow(0, offset, shard) for _, g, offset, shard, _ in getattr(self, "_replicas", [])
+        ]
+
+    def reduce_replicas(self):
+        """Sum the replicated parameters' shards over the tensor-parallel group, once per window (module docstring).
+
+        Idempotent and linear: what was reduced before is kept aside, and only what the window added since is
+        reduced (a second call, or a backward after ``finish_window`` in the same window, stays exact).
+        """
+        replicas = getattr(self, "_replicas", [])
+        if not replicas:
+            return
+        self.settle()
+        pieces = self.replica_pieces()
+        flat = torch.cat([p.reshape(-1) for p in pieces])
+        before = self._replicas_reduced
+        delta = flat if before is None else flat - before
+        spec = replicas[0][4]
+        work = self.transport.all_reduce(delta, spec.tensor_group)
+        if work is not None:
+            work.wait()
+        offset = 0
+        for (_, _, _, shard, spec), piece in zip(replicas, pieces):
+            part = delta.narrow(0, offset, shard)
+            if spec.replicas != 1:
+                part.mul_(1.0 / spec.replicas)
+            if before is None:
+                piece.copy_(part)
+            else:
+                piece.copy_(before.narrow(0, offset, shard) + part)
+            offset += shard
+        self._replicas_reduced = torch.cat([p.reshape(-1) for p in pieces])
+
+    def zero_window(self):
+        super().zero_window()
+        self._replicas_reduced = None
+
     def release(self):
         super().release()
         self.grad_parts = []
         self._segments = []
         self._flat_dest = []
+        self._replicas = []

@@ -54,15 +54,16 @@ class Stage0(ZeroStage):
             self.masters.swap_into(optimizer.param_groups)
 
     def global_grad_norm(self):
-        """As every stage's (stage_base); with expert parameters the window gradient is not replicated on every
-        rank: each part is replicated over its own group, so the squares are summed over the world with the
-        weight 1 / (that group's size)."""
-        if self._norm is None and self.world_size > 1 and self.reduction.has_experts(self.params):
+        """As every stage's (stage_base); with expert parameters, or a tensor-parallel model, the window gradient is
+        not the same on every rank: each part is replicated over its own group, so the squares are summed over the
+        norm group with the weight 1 / (that group's size)."""
+        group, size = self._norm_group()
+        if self._norm is None and size > 1 and (self.reduction.is_mixed(self.params) or size != self.world_size):
             with ds_range("DS::grad_norm"):
                 sq = torch.zeros((), dtype=torch.float32, device=self.device)
                 for spec, regions in self.geometry.regions_by_spec():
-                    sq = sq + grad_ops.partial_sq_norm(regions, device=self.device) / spec.world_size
-                dist.all_reduce(sq, group=self.group)
+                    sq = sq + grad_ops.partial_sq_norm(regions, device=self.device) / (spec.world_size * spec.copies)
+                dist.all_reduce(sq, group=group)
                 self._norm = sq.sqrt()
         return super().global_grad_norm()
 

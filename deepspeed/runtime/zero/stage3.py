@@ -108,6 +108,12 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                              in_flight_limit=self._in_flight_limit(),
                              on_bucket_complete=self._unit_complete,
                              on_backward_end=self._backward_end)
+        # a tensor-parallel model's replicated parameters: summed over the tensor-parallel group once per window
+        geometry.set_replicas(p for p in module.parameters() if p.requires_grad and p in group_of)
+        if geometry.replica_pieces() and (config.offload_optimizer or config.offload_param):
+            self.release()
+            raise NotImplementedError("tensor parallelism (AutoTP) with ZeRO-3 offload_optimizer / offload_param is "
+                                      "not supported; see docs/tensor_parallel.md")
         self.masters = []
         for g in range(num_groups):
             values = self.shards[g].to(self.part_device, torch.float32, copy=True)
@@ -217,6 +223,18 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     @property
     def grad_parts(self):
         return self.geometry.partitions()
+
+    def finish_window(self):
+        super().finish_window()
+        self.geometry.reduce_replicas()
+
+    def _extra_sq_norm(self):
+        """Every tensor-parallel rank holds the same shards of the replicated parameters: count them once."""
+        pieces = self.geometry.replica_pieces()
+        if not pieces:
+            return 0.0
+        tp = self.reduction.tensor[next(iter(self.reduction.tensor))].tensor_size
+        return -(1.0 - 1.0 / tp) * grad_ops.partial_sq_norm(pieces, device=self.device)
 
     # ------------------------------------------------------------ gathering
     def _send_chunk(self, unit, out):

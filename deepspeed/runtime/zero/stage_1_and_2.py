@@ -27,6 +27,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.zenflow.stage_io import PartitionedIO
 from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
+from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.checkpoint_partitioned import PartitionedCheckpoint
 from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.piece_waits import PieceWaits
@@ -52,6 +53,9 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         if self.has_experts and (config.offload_optimizer or config.zenflow is not None):
             raise NotImplementedError("expert parameters (deepspeed.moe) with offload_optimizer or ZenFlow on ZeRO "
                                       "stages 1-2 are not supported; see docs/compatibility.md")
+        if self.reduction.tensor and (config.offload_optimizer or config.zenflow is not None):
+            raise NotImplementedError("tensor parallelism (AutoTP) with offload_optimizer or ZenFlow is not "
+                                      "supported; see docs/tensor_parallel.md")
         dtypes = {p.dtype for p in layout.params}
         if len(dtypes) > 1:
             raise ValueError(f"ZeRO stage {config.stage} needs one dtype for all trainable parameters, found {dtypes}")
@@ -123,6 +127,18 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
     @property
     def grad_parts(self):
         return self.geometry.partitions()
+
+    def _extra_sq_norm(self):
+        """The chunks of a tensor-parallel model's replicated parameters are the same on every tensor-parallel rank:
+        count them once."""
+        pieces, copies = [], 1
+        for bucket in self.layout.buckets:
+            if bucket.spec is not None and bucket.spec.copies > 1 and bucket.params:
+                pieces.append(self.layout.bucket_part(self.grad_parts[bucket.group], bucket))
+                copies = bucket.spec.copies
+        if not pieces:
+            return 0.0
+        return -(1.0 - 1.0 / copies) * grad_ops.partial_sq_norm(pieces, device=self.device)
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self):

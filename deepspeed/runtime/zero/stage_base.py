@@ -17,8 +17,9 @@ and owns:
 Norm and overflow, one semantics for every stage: the global gradient norm is the square
 root of the sum, over every rank's window-gradient partitions, of their squared L2 norms
 (one all-reduce for partitioned stages; none for stage 0, whose window gradient is
-replicated); a step *overflows* when that norm is not finite. Every rank reaches the same
-verdict.
+replicated), each element counted once (a tensor-parallel model's replicated parameters
+included: the sum runs over the reduction plan's ``norm_group``); a step *overflows* when that
+norm is not finite. Every rank reaches the same verdict.
 """
 
 import contextlib
@@ -167,12 +168,25 @@ class ZeroStage:
                     piece = self.local_grad(param)
                     if piece is not None and piece.numel():
                         sq = sq - piece.detach().float().pow(2).sum().to(self.device)
-                if not self.geometry.replicated and self.world_size > 1:
-                    dist.all_reduce(sq, group=self.group)
+                sq = sq + self._extra_sq_norm()
+                group, size = self._norm_group()
+                if not self.geometry.replicated and size > 1:
+                    dist.all_reduce(sq, group=group)
                 if self.norm_group is not None:  # the other pipeline stages' parameters
                     dist.all_reduce(sq, group=self.norm_group)
                 self._norm = sq.clamp(min=0).sqrt()
         return self._norm
+
+    def _norm_group(self):
+        """``(group, size)`` over which the partitions' squared norms add up to the global one: the reduction plan's
+        ``norm_group`` (a tensor-parallel model: the stage's data x tensor-parallel ranks), else the stage's group."""
+        if self.reduction.norm_size:
+            return self.reduction.norm_group, self.reduction.norm_size
+        return self.group, self.world_size
+
+    def _extra_sq_norm(self):
+        """A correction to the sum of the partitions' squared norms (stage 3: pieces held on several ranks)."""
+        return 0.0
 
     speculative = None  # a SpeculativeStep (offload_optimizer.super_offload, stages 1-3), or None
     # Pipeline parallelism: the norm is the whole model's. ``norm_group`` sums the squared norm over the other

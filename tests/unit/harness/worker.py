@@ -197,6 +197,9 @@ class _WorkerState:
             self.numpy.random.seed(seed)
         if not self.dist.is_initialized():
             self._init_process_group()
+        groups = sys.modules.get("deepspeed.utils.groups")
+        if groups is not None:  # every call starts without a mesh (its groups stay cached)
+            groups.reset_mesh()
 
     def sync_fingerprint(self):
         """Counters that every rank has equal iff all ranks issued the same collectives and group creations.

@@ -5,9 +5,9 @@
 raise ``NotImplementedError`` naming the key) and one that does not (it builds). ``NO_EFFECT`` lists keys that only
 tune speed or memory, or that upstream ignores alone: they build with one warning naming the key. Keys this
 runtime honours since the audit (``dataloader_drop_last``, ``data_types.param_dtype``, upstream's spelling of
-``seq_parallel_communication_data_type``, the ``pipeline`` section) have their own tests; NVMe offload and its
-``aio`` section build without a warning. On 2 ranks, ``deepspeed.initialize`` with a tensor-parallel config raises
-on both ranks before any collective (the group issued none and stays usable).
+``seq_parallel_communication_data_type``, the ``pipeline`` and ``tensor_parallel`` sections) have their own
+tests; NVMe offload and its ``aio`` section build without a warning. On 2 ranks, ``deepspeed.initialize`` with a
+refused section raises on both ranks before any collective (the group issued none and stays usable).
 """
 
 import logging
@@ -24,7 +24,6 @@ Z = "zero_optimization"
 
 # key -> (asks for the feature, does not ask for it)
 REFUSED = {
-    "tensor_parallel": ({"tensor_parallel": {"autotp_size": 2}}, {"tensor_parallel": {"autotp_size": 1}}),
     "amp": ({"amp": {"enabled": True, "opt_level": "O1"}}, {"amp": {"enabled": False}}),
     "hybrid_engine": ({"hybrid_engine": {"enabled": True}}, {"hybrid_engine": {"enabled": False}}),
     "quantize_training": ({"quantize_training": {"enabled": "true"}}, {"quantize_training": {"enabled": False}}),
@@ -168,11 +167,11 @@ def test_dataloader_drop_last():
     assert out == {d: (len(r), [len(b) for b in r]) for d, r in reference.items()}
 
 
-def tensor_parallel_on_every_rank():
+def refused_on_every_rank():
     import deepspeed
     group = torch.distributed.distributed_c10d._get_default_group()
     issued = group._get_sequence_number_for_group()
-    config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}}
+    config = {"train_micro_batch_size_per_gpu": 1, "hybrid_engine": {"enabled": True}}
     try:
         deepspeed.initialize(model=torch.nn.Linear(2, 2), config=config)
     except NotImplementedError as exc:
@@ -185,7 +184,7 @@ def tensor_parallel_on_every_rank():
     return raised, before_any_collective, float(flag)
 
 
-def test_tensor_parallel_raises_on_every_rank_before_any_collective():
-    for raised, before_any_collective, total in run_distributed(tensor_parallel_on_every_rank, 2):
-        assert raised is not None and "tensor_parallel" in raised and "tensor parallelism" in raised, raised
+def test_refused_section_raises_on_every_rank_before_any_collective():
+    for raised, before_any_collective, total in run_distributed(refused_on_every_rank, 2):
+        assert raised is not None and "'hybrid_engine'" in raised and "hybrid engine" in raised, raised
         assert before_any_collective and total == 2.0

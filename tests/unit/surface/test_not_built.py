@@ -11,13 +11,6 @@ import torch
 NOT_BUILT = [
     ("deepspeed.runtime.progressive_layer_drop", "ProgressiveLayerDrop", lambda c: c(theta=0.5, gamma=0.001),
      "progressive layer dropping"),
-    ("deepspeed.runtime.tensor_parallel", "TpTrainingManager", lambda c: c(None, 2), "tensor parallelism"),
-    ("deepspeed.runtime.tensor_parallel.init_utils", "tp_model_init", lambda f: f(None, 2, torch.float16),
-     "tensor parallelism"),
-    ("deepspeed.runtime.tensor_parallel", "get_tensor_parallel_config",
-     lambda f: f({"tensor_parallel": {
-         "autotp_size": 2
-     }}), "tensor parallelism"),
     ("deepspeed.runtime.activation_checkpointing.offload_activations",
      "get_checkpoint_hidden_states_offloading_ctx_manager", lambda f: f(), "hidden states"),
     ("deepspeed.runtime.activation_checkpointing.offload_activations", "CheckpointHiddenStatesOffload", lambda c: c(),
@@ -57,5 +50,3 @@ def test_aio_config_defaults():
     from deepspeed.runtime.swap_tensor.aio_config import AIO_DEFAULT_DICT, get_aio_config
     assert get_aio_config({}) == AIO_DEFAULT_DICT
     assert get_aio_config({"aio": {"block_size": 4096}})["block_size"] == 4096
-    from deepspeed.runtime.tensor_parallel import get_tensor_parallel_config
-    assert get_tensor_parallel_config({}) is None
