@@ -30,7 +30,7 @@ from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.instrumentation import EngineInstrumentation
 from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
-from deepspeed.runtime.precision.module_cast import cast_for_precision
+from deepspeed.runtime.precision import module_cast
 from deepspeed.runtime.precision.overflow import report_skipped_step
 from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
 from deepspeed.runtime.unused_parameters import UnusedParameterCheck
@@ -153,12 +153,27 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self._dtype = torch.float16
         else:
             self._dtype = torch.float32
+        self._assert_valid_mixed_precision_config()
         apply_zero_leaf_module_config(model, cfg.zero_config.leaf_module)
         if not dont_change_device:
             model.to(self.device)
         if self._dtype != torch.float32:  # fp32 training casts nothing, buffer_dtype included (as upstream)
-            cast_for_precision(model, self._dtype, cfg.buffer_dtype)
+            self._cast_module_mixed_precision(*self._mixed_precision_dtypes(), is_zero_init_model=False)
         self._broadcast_model()
+
+    # Upstream's names for the precision cast (runtime/precision/module_cast.py); tests call them on stand-ins.
+    def _mixed_precision_dtypes(self):
+        return module_cast.mixed_precision_dtypes(self.fp16_enabled(), self.bfloat16_enabled(),
+                                                  self._config.buffer_dtype)
+
+    def _assert_valid_mixed_precision_config(self):
+        module_cast.check_param_dtype(self._config.param_dtype, self.fp16_enabled(), self.bfloat16_enabled())
+
+    def _cast_module_mixed_precision(self, param_dtype, buffer_dtype, is_zero_init_model, keep_pattern=None):
+        """Cast the module's parameters (unless ``zero.Init`` already chose their dtype) and, when
+        ``buffer_dtype`` is set, its buffers; buffers matching ``keep_pattern`` stay fp32."""
+        module_cast.cast_for_precision(self.module, None if is_zero_init_model else param_dtype, buffer_dtype,
+                                       keep_pattern)
 
     def _broadcast_model(self):
         """Start every rank from the same parameters and buffers (experts: their expert-data-parallel peers')."""
