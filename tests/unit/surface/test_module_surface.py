@@ -125,18 +125,7 @@ SURFACE = {
     "deepspeed.ops.adam": ["FusedAdam", "DeepSpeedCPUAdam", "ZenFlowSelectiveAdamW", "ZenFlowSelectiveAdamW_stage3"],
     "deepspeed.ops.adam.multi_tensor_apply": ["MultiTensorApply"],
     "deepspeed.ops.aio": ["AsyncIOBuilder"],
-    "deepspeed.ops.op_builder": ["FusedAdamBuilder", "AsyncIOBuilder", "CPUAdamBuilder"],
-}
-
-ACCELERATORS = {
-    "hpu": "HPU_Accelerator",
-    "npu": "NPU_Accelerator",
-    "mps": "MPS_Accelerator",
-    "xpu": "XPU_Accelerator",
-    "mlu": "MLU_Accelerator",
-    "sdaa": "SDAA_Accelerator",
-    "supa": "SUPA_Accelerator",
-    "klxpu": "KLXPU_Accelerator",
+    "deepspeed.ops.op_builder": ["FusedAdamBuilder", "AsyncIOBuilder", "CPUAdamBuilder", "PinMemoryBuilder"],
 }
 
 
@@ -145,16 +134,6 @@ def test_module_imports_with_upstream_names(path):
     module = importlib.import_module(path)
     missing = [name for name in SURFACE[path] if not hasattr(module, name)]
     assert not missing, f"{path} lacks {missing}"
-
-
-@pytest.mark.parametrize("device", sorted(ACCELERATORS))
-def test_other_accelerators_import_and_refuse(device):
-    from deepspeed.accelerator import DeepSpeedAccelerator
-    module = importlib.import_module(f"deepspeed.accelerator.{device}_accelerator")
-    cls = getattr(module, ACCELERATORS[device])
-    assert issubclass(cls, DeepSpeedAccelerator)
-    with pytest.raises(NotImplementedError, match="not built"):
-        cls()
 
 
 def test_stage_optimizer_classes_are_the_returned_ones():
