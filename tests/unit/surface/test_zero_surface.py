@@ -70,6 +70,33 @@ def test_zero3_linear_matches_torch(shape, bias):
     assert torch.allclose(zero3_linear_wrap(x, layer.weight, layer.bias), ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(5, ), (3, 5), (2, 3, 5)])
+def test_zero3_linear_under_autocast_and_torch_func(shape):
+    """Under autocast the output dtype and values are torch.nn.Linear's, and the backward of an fp32 forward is
+    not changed by an autocast region around it; torch.func.grad and vmap run through the function."""
+    from deepspeed.runtime.zero.linear import LinearModuleForZeroStage3, zero3_linear_wrap
+    torch.manual_seed(0)
+    layer = LinearModuleForZeroStage3(5, 4)
+    reference = torch.nn.Linear(5, 4)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(shape)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = layer(x), reference(x)
+    assert out.dtype == ref.dtype == torch.bfloat16 and torch.equal(out, ref)
+    plain = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain.sum().backward()
+    reference(x).sum().backward()
+    assert layer.weight.grad.dtype == torch.float32
+    assert torch.allclose(layer.weight.grad, reference.weight.grad, atol=1e-6)
+    w, b = layer.weight.detach(), layer.bias.detach()
+    grads = torch.func.grad(lambda w_, x_: zero3_linear_wrap(x_, w_, b).pow(2).sum(), argnums=(0, 1))(w, x)
+    expected = torch.func.grad(lambda w_, x_: torch.nn.functional.linear(x_, w_, b).pow(2).sum(), argnums=(0, 1))(w, x)
+    assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, expected))
+    batch = torch.randn(3, *shape)
+    assert torch.allclose(torch.func.vmap(lambda xi: zero3_linear_wrap(xi, w, b))(batch), reference(batch), atol=1e-6)
+
+
 @pytest.mark.parametrize("in_f,out_f,in_splits,out_splits", [(7, 5, 3, 2), (4, 9, 1, 4), (6, 6, 6, 1), (1, 3, 1, 3)])
 def test_tiled_linear_matches_linear(in_f, out_f, in_splits, out_splits):
     from deepspeed.runtime.zero.tiling import TiledLinear
