@@ -16,6 +16,7 @@ releases them through module hooks (``stage3.py``).
 import contextlib
 import functools
 import itertools
+import os
 from enum import Enum
 
 import torch
@@ -247,6 +248,27 @@ class InsertPostInitMethodToModuleSubClasses:
         return False
 
 
+def _contradicting_single_rank_pg_error(dp_world_size, explicit_process_group, env=None):
+    """The message to raise when ``zero.Init`` would partition over one rank while the launcher started several
+    (``WORLD_SIZE`` > 1): a size-1 default group was set up before ``zero.Init`` ran, so every rank would hold the
+    whole model. None when the group really shards, when the caller passed a group of its own (a size-1 group is
+    then intentional), or when the environment names no multi-process world."""
+    if dp_world_size != 1 or explicit_process_group is not None:
+        return None
+    env = os.environ if env is None else env
+    try:
+        launched = int(env.get("WORLD_SIZE") or 0)
+    except (TypeError, ValueError):
+        return None
+    if launched <= 1:
+        return None
+    return (f"zero.Init found a process group of world_size=1 while the launcher reports WORLD_SIZE={launched}: a "
+            "single-rank group was set up before zero.Init ran (for example a from_pretrained before "
+            "deepspeed.init_distributed()), so the parameters would not be partitioned and every rank would hold "
+            "the whole model. Call deepspeed.init_distributed() before building the model under zero.Init, or pass "
+            "data_parallel_group explicitly if one rank is intended")
+
+
 class Init(InsertPostInitMethodToModuleSubClasses):
     """Partition parameters as modules are built, so a model larger than one device can be created.
 
@@ -276,6 +298,13 @@ class Init(InsertPostInitMethodToModuleSubClasses):
                  param_swapper=None):
         super().__init__(enabled=enabled, mem_efficient_linear=mem_efficient_linear, dtype=dtype)
         self.group = data_parallel_group
+        if enabled:
+            import deepspeed.comm as dist
+            if dist.is_initialized():
+                explicit = data_parallel_group if data_parallel_group is not None else sequence_data_parallel_group
+                error = _contradicting_single_rank_pg_error(dist.get_world_size(data_parallel_group), explicit)
+                if error is not None:
+                    raise RuntimeError(error)
         self.remote_device = remote_device
         self.pin_memory = pin_memory
         if module is not None and enabled:
@@ -382,3 +411,8 @@ def unregister_external_parameter(module, parameter):
     external = getattr(module, "_ds_external_params", [])
     if parameter in external:
         external.remove(parameter)
+
+
+# Upstream's zero.Init swaps torch.nn.functional.linear for this; here parameters keep their storage object across
+# release and gather, so torch's own linear is safe and nothing is swapped (docs/compatibility.md).
+from deepspeed.runtime.zero.linear import zero3_linear_wrap  # noqa: E402,F401

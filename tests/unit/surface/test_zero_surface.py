@@ -298,3 +298,32 @@ def test_partition_parameters_names():
     built.clear()
     torch.nn.Linear(1, 1)
     assert built == []
+
+
+def contradicting_group_worker(launcher_world, explicit):
+    import os
+    import deepspeed
+    import deepspeed.comm as dist
+    os.environ["WORLD_SIZE"] = launcher_world  # what a launcher that started several ranks would say
+    group = dist.new_group([0]) if explicit else None
+    try:
+        with deepspeed.zero.Init(data_parallel_group=group):
+            layer = torch.nn.Linear(3, 2)
+    except RuntimeError as err:
+        return str(err)
+    return layer.weight.ds_numel
+
+
+@pytest.mark.parametrize("launcher_world,explicit,expected", [("4", False, "WORLD_SIZE=4"), ("1", False, 6),
+                                                              ("4", True, 6)])
+def test_zero_init_refuses_a_single_rank_group_under_a_multi_rank_launcher(launcher_world, explicit, expected):
+    """A size-1 default group while the launcher reports several ranks would leave every rank the whole model:
+    zero.Init raises, naming the fix; an explicit group of one rank is taken as intended."""
+    from deepspeed.runtime.zero.partition_parameters import _contradicting_single_rank_pg_error
+    assert _contradicting_single_rank_pg_error(1, None, {"WORLD_SIZE": "not-a-number"}) is None
+    assert _contradicting_single_rank_pg_error(2, None, {"WORLD_SIZE": "4"}) is None
+    outcome = run_distributed(contradicting_group_worker, 1, args=(launcher_world, explicit), timeout=60)[0]
+    if isinstance(expected, str):
+        assert expected in outcome and "init_distributed" in outcome, outcome
+    else:
+        assert outcome == expected
