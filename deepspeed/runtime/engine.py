@@ -328,6 +328,12 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         """The gradient norm of the last boundary step (before clipping), or None before the first."""
         return self.optimizer.global_grad_norm() if self.optimizer is not None else None
 
+    def empty_partition_cache(self):
+        """Free the gathered copies of ZeRO-3 parameters nothing is using, and the allocator's cache (upstream's)."""
+        if self._stage is not None:
+            self._stage.empty_partition_cache()
+        get_accelerator().empty_cache()
+
     def zero_gather_16bit_weights_on_model_save(self):
         return bool(self._config.zero_config.stage3_gather_16bit_weights_on_model_save)
 

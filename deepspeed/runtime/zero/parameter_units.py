@@ -304,6 +304,14 @@ class UnitCoordinator:
             if unit.state is UnitState.GATHERED:
                 self._release(unit)
 
+    def release_unused(self):
+        """Release every unit nothing holds (no forward reference, no backward hold, not persistent); a gather in
+        flight is completed first, so its collective is matched on every rank."""
+        for unit in self.units:
+            if unit.state is UnitState.GATHERING and not unit.persistent:
+                self._finish_gather(unit)
+            self._maybe_release(unit)
+
     def _maybe_release(self, unit):
         if unit.state is UnitState.GATHERED and unit.fwd_refs <= 0 and not unit.bwd_hold and not unit.persistent:
             self._release(unit)

@@ -261,6 +261,12 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     shards_current = _step_done  # what ``GatheredParameters`` calls before it reads or writes ``ds_tensor``
 
+    def empty_partition_cache(self):
+        """Release every gathered unit no forward or backward holds (a prefetch in flight is completed first);
+        persistent units (under ``stage3_param_persistence_threshold``) stay gathered, as always."""
+        self._step_done()
+        self.coordinator.release_unused()
+
     def _state_dict_pre_hook(self, *_args, **_kwargs):
         self._step_done()
 
