@@ -368,8 +368,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def no_sync(self):
         """Accumulate gradients locally, without communication, inside the context."""
         if self.zero_optimization_stage() >= 2:
-            raise EngineUsageError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
-                                   f"gradients are partitioned during every backward")
+            raise EngineUsageError(f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
+                                   f"stage {self.zero_optimization_stage()}: gradients are partitioned during every "
+                                   "backward")
         if self.window.deferred():  # inside no_sync() or coalesce_grad_reduction() already
             raise EngineUsageError("no_sync context manager reentry is unsupported (no_sync() inside no_sync() or "
                                    "coalesce_grad_reduction())")
