@@ -45,6 +45,9 @@ from torch import Tensor, nn
 import deepspeed.comm as dist
 from deepspeed.utils.logging import logger
 
+# Upstream's flag for its optional Tutel kernels; the layer never uses them (``use_tutel`` warns).
+TUTEL_INSTALLED = False
+
 TOPK_GATE_TIMER = "topk_gate"
 MOE_TIMER = "moe"
 FIRST_ALLTOALL_TIMER = "1st_a2a"
