@@ -96,7 +96,23 @@ def partition_param(param, world_size=None, rank=None, shard_device=None, dtype=
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
     param.ds_persist = False
     param.data = torch.empty(0, dtype=piece.dtype, device=piece.device)
+    # upstream's per-parameter call (the list is its argument, not the parameter); a module function, so a pickled
+    # parameter refers to it by name and not back to itself
+    param.all_gather_coalesced = all_gather_coalesced
     return param
+
+
+def all_gather_coalesced(params, safe_mode=False, quantize=False):
+    """Make every partitioned parameter of ``params`` whole (a collective: every rank passes the same parameters in
+    the same order); ``param.all_gather_coalesced(params)`` as upstream. The gather is complete on return; the
+    handle's ``wait()`` is there for upstream's callers. They stay whole until an engine releases them (its forward
+    gathers its own units whatever their state); ``GatheredParameters`` is the scoped form."""
+    params = [p for p in params if isinstance(p, torch.Tensor) and is_zero_param(p)]
+    _shards_current(params)
+    for param in params:
+        if param.ds_status != ZeroParamStatus.AVAILABLE:
+            gather_param(param)
+    return MultipleAllGatherHandles([])
 
 
 @torch.no_grad()

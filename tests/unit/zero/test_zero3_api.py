@@ -176,3 +176,34 @@ def test_empty_partition_cache(stage, persistence):
     """Upstream's engine.empty_partition_cache(): gathered ZeRO-3 copies nobody uses are freed (persistent ones
     stay), on any stage it may be called at any point between steps, and training is unchanged (plain torch)."""
     assert run_distributed(empty_partition_cache_worker, 2, args=(stage, persistence), timeout=90) == [True, True]
+
+
+def all_gather_coalesced_worker():
+    import io
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    torch.manual_seed(100)
+    expected = Pair()  # rank 0's construction, redone locally: zero.Init shards rank 0's values
+    torch.manual_seed(100)
+    with deepspeed.zero.Init():
+        model = Pair()
+    params = list(model.parameters())
+    assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE and p.numel() == 0 for p in params)
+    params[0].all_gather_coalesced(params).wait()
+    whole = all(torch.equal(p.data, e) for p, e in zip(params, expected.parameters()))
+    buffer = io.BytesIO()
+    torch.save(params[0], buffer)  # the attribute is a module function: the parameter still pickles
+    engine = deepspeed.initialize(model=model, config={**STAGE3, "gradient_clipping": 0.0})[0]
+    engine.backward(engine(torch.ones(2, 6)).sum())
+    engine.step()
+    params[0].all_gather_coalesced(params).wait()  # after a step: the updated values
+    stepped = all(torch.equal(p.data, deepspeed.utils.safe_get_full_fp32_param(p)) for p in params)
+    engine.destroy()
+    return whole, stepped
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_param_all_gather_coalesced(world):
+    """Upstream's ``param.all_gather_coalesced(params).wait()``: every listed ZeRO-3 parameter whole, exactly
+    (rank 0's construction), also after an engine's step."""
+    assert run_distributed(all_gather_coalesced_worker, world, timeout=90) == [(True, True)] * world
