@@ -25,10 +25,6 @@ NOT_BUILT = [
      lambda f: f({"tensor_parallel": {
          "autotp_size": 2
      }}), "tensor parallelism"),
-    ("deepspeed.runtime.activation_checkpointing.offload_activations",
-     "get_checkpoint_hidden_states_offloading_ctx_manager", lambda f: f(), "hidden states"),
-    ("deepspeed.runtime.activation_checkpointing.offload_activations", "CheckpointHiddenStatesOffload", lambda c: c(),
-     "hidden states"),
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", lambda c: c(torch.nn.Linear(1, 1), None, {}),
      "DeepSpeedZeRoOffload"),
     ("deepspeed.runtime.zero.offload_states", "get_state_devices", lambda f: f(None, "optim_states"),
