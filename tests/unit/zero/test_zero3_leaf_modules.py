@@ -62,7 +62,12 @@ def test_leaf_api():
     "name_suffixes": ["experts.1"]
 }, ["moe.experts.1"]), ({}, [])])
 def test_leaf_module_config(section, expected):
-    from deepspeed.runtime.zero.config import get_zero_config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
+    from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+    # upstream's section holds lists (a single string is a one-element list; repeats dropped)
+    assert DeepSpeedZeroConfig().leaf_module.classes == DEFAULT_LEAF_MODULE_CLASSES
+    given = DeepSpeedZeroConfig(leaf_module={"classes": "my.Class", "names": ["a", "a"]}).leaf_module
+    assert (given.classes, given.names, given.name_suffixes) == (["my.Class"], ["a"], [])
     from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
     model = MoENet()
     cfg = get_zero_config({"zero_optimization": {"stage": 3, "leaf_module": section}})
