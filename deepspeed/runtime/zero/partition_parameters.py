@@ -291,9 +291,10 @@ class Init(InsertPostInitMethodToModuleSubClasses):
     Every ``torch.nn.Module`` subclass's ``__init__`` is wrapped while the context is
     active: when a module's ``__init__`` returns, its own parameters are broadcast from
     rank 0 (ranks initialise with different RNG states) and partitioned. Children are
-    partitioned when their own ``__init__`` returns, so a parent's ``__init__`` must not
-    write into its children's parameters (use ``GatheredParameters`` for that).
-    ``enabled=False`` makes the context a no-op.
+    partitioned when their own ``__init__`` returns: a parent's ``__init__`` initialises its
+    children's weights through ``self.apply(fn)`` (each module gathered around ``fn``, rank 0's
+    result kept) or inside ``GatheredParameters``; a direct write into a child's parameter
+    sees the empty partitioned tensor. ``enabled=False`` makes the context a no-op.
     """
 
     def __init__(self,
@@ -350,6 +351,37 @@ class Init(InsertPostInitMethodToModuleSubClasses):
 
     def _post_init_method(self, module):
         self._partition_module(module)
+
+    # ``module.apply(fn)`` inside the context: a parent's ``__init__`` initialising its children's weights
+    # (``self.apply(self._init_weights)``, as HF models do) runs after the children were partitioned. Each module's
+    # own partitioned parameters are gathered around ``fn(module)`` and rank 0's result becomes every rank's shards,
+    # as ``GatheredParameters(modifier_rank=0)`` does: the same weights whichever rank's RNG ``fn`` drew from.
+    def __enter__(self):
+        result = super().__enter__()
+        if self.enabled:
+            self._orig_apply = torch.nn.Module.__dict__["apply"]
+            torch.nn.Module.apply = _apply_gathered
+        return result
+
+    def __exit__(self, *exc):
+        if self.enabled and getattr(self, "_orig_apply", None) is not None:
+            torch.nn.Module.apply = self._orig_apply
+            self._orig_apply = None
+        return super().__exit__(*exc)
+
+
+def _apply_gathered(module, fn):
+    """``torch.nn.Module.apply`` (children first, then the module) with each module's partitioned parameters whole
+    while ``fn`` sees it (see ``Init``)."""
+    for child in module.children():
+        _apply_gathered(child, fn)
+    own = [p for p in module.parameters(recurse=False) if is_zero_param(p)]
+    if own:
+        with GatheredParameters(own, modifier_rank=0):
+            fn(module)
+    else:
+        fn(module)
+    return module
 
 
 class GatheredParameters(contextlib.ContextDecorator):

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """ZeRO-3 construction and gathering API: zero.Init, GatheredParameters, register_external_parameter."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -207,3 +209,48 @@ def test_param_all_gather_coalesced(world):
     """Upstream's ``param.all_gather_coalesced(params).wait()``: every listed ZeRO-3 parameter whole, exactly
     (rank 0's construction), also after an engine's step."""
     assert run_distributed(all_gather_coalesced_worker, world, timeout=90) == [(True, True)] * world
+
+
+class ParentInitializesChildren(nn.Module):
+    """Initialises its children's weights in its own ``__init__``, after zero.Init partitioned them (HF's
+    ``self.apply(self._init_weights)``)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.pair = Pair()
+        self.head = nn.Linear(3, 2)
+        self.apply(functools.partial(self._init_weights, rank))
+
+    @staticmethod
+    def _init_weights(rank, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.5)  # this rank's generator
+            with torch.no_grad():
+                module.bias.fill_(0.1 * (1 + rank))
+
+
+def parent_init_worker():
+    import deepspeed
+    import deepspeed.comm as dist
+    rank = dist.get_rank()
+    torch.manual_seed(100)
+    expected = ParentInitializesChildren(0)  # rank 0's construction, redone locally
+    torch.manual_seed(100 + rank)
+    with deepspeed.zero.Init():
+        model = ParentInitializesChildren(rank)
+    assert torch.nn.Module.apply is not None and "apply" not in vars(type(model))
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return all(torch.equal(p.data, e) for p, e in zip(params, expected.parameters()))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_apply_inside_zero_init_initialises_partitioned_children(world):
+    """``module.apply(fn)`` under zero.Init sees each module's parameters whole and keeps rank 0's result on every
+    rank (upstream's behaviour; plain torch's values on rank 0's generator)."""
+    import deepspeed
+    original = torch.nn.Module.apply
+    assert run_distributed(parent_init_worker, world, timeout=90) == [True] * world
+    with deepspeed.zero.Init(enabled=False):
+        assert torch.nn.Module.apply is original
+    assert torch.nn.Module.apply is original
