@@ -88,7 +88,8 @@ def pytest_env(args, events):
 
 
 def run_pytest(args, extra, log_path, events, time_limit, env_extra=None):
-    """Run pytest in ``<checkout>/tests`` in a session of its own, killed as a whole past ``time_limit``."""
+    """Run pytest in ``<checkout>/tests`` in a session of its own, killed as a whole past ``time_limit``, or when
+    one test has run longer than the per-test limit (a hang pytest's own timeout did not end)."""
     cmd = [
         "nice", "-n",
         str(args.nice), args.python, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-p",
@@ -96,6 +97,8 @@ def run_pytest(args, extra, log_path, events, time_limit, env_extra=None):
     ] + extra
     env = pytest_env(args, events)
     env.update(env_extra or {})
+    per_test = args.test_timeout + 120
+    offset = os.path.getsize(events) if os.path.exists(events) else 0
     with open(log_path, "a") as log:
         log.write(f"\n### {' '.join(cmd)}\n")
         log.flush()
@@ -105,11 +108,26 @@ def run_pytest(args, extra, log_path, events, time_limit, env_extra=None):
                                 stderr=subprocess.STDOUT,
                                 env=env,
                                 start_new_session=True)
+        start = time.time()
+        running, since = None, start
         try:
-            return proc.wait(time_limit)
-        except subprocess.TimeoutExpired:
-            log.write(f"\n### killed after {time_limit} s\n")
-            return -signal.SIGKILL
+            while proc.poll() is None:
+                time.sleep(5)
+                if os.path.exists(events):
+                    with open(events, errors="replace") as f:
+                        f.seek(offset)
+                        for line in f:
+                            fields = line.rstrip("\n").split("\t")
+                            if fields[0] == "START":
+                                running, since = fields[1], time.time()
+                            elif fields[0] == "STATUS" and len(fields) > 1 and fields[1] == running:
+                                running = None
+                        offset = f.tell()
+                now = time.time()
+                if now - start > time_limit or (running is not None and now - since > per_test):
+                    log.write(f"\n### killed after {now - start:.0f} s (test running: {running})\n")
+                    return -signal.SIGKILL
+            return proc.returncode
         finally:
             # forked children, process pools and their forkservers share the session: leave none behind
             try:
