@@ -195,8 +195,13 @@ def collect(args):
     run_pytest(args, ["--collect-only", "-q", "--continue-on-collection-errors"] + (args.paths or ["unit/"]),
                os.path.join(args.out, "collect.log"), events, 1800, {"UPSTREAM_CHECK_COLLECT_ONLY": "1"})
     collected, errors, _, _ = read_events(events)
+    wanted = None
+    if args.only_passed_in:  # the figure needs only the tests the reference run passes
+        wanted = {n for n, (s, _) in load(args.only_passed_in).items() if s in ("PASSED", "XPASS")}
     per_file = collections.OrderedDict()
     for nodeid in sample(collected, args.per_function, args.dist_per_class):
+        if wanted is not None and nodeid not in wanted:
+            continue
         per_file.setdefault(nodeid.split("::")[0], []).append(nodeid)
     return per_file, errors
 
@@ -325,6 +330,7 @@ def main(argv=None):
                    help="of tests that start processes, only the first parametrization of the first N test functions "
                    "of each class (0: as --per-function)")
     r.add_argument("--paths-from", help="a file listing paths under tests/, one a line (a shard of the run)")
+    r.add_argument("--only-passed-in", help="results folder(s), comma-separated: run only the tests they passed")
     r.add_argument("paths", nargs="*", help="paths under tests/ (default: unit/, as upstream's CPU workflow)")
     c = sub.add_parser("compare", help="of the tests BASE passed, how many OTHER passes")
     c.add_argument("base", help="results folder (or folders, comma-separated) of the reference run")
