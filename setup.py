@@ -3,7 +3,7 @@
 
 The version comes from ``version.txt``; runtime and development requirements come from
 ``requirements/requirements.txt`` and ``requirements/requirements-dev.txt``; the ``tensorboard`` extra installs what
-the TensorBoard monitor needs.
+the TensorBoard monitor needs, the ``pydantic`` extra what ``DeepSpeedConfigModel`` needs.
 
 Native ops: the sources in the top-level ``csrc/`` are copied into the built package as
 ``deepspeed/ops/csrc`` (an editable install reads the checkout's ``csrc/`` directly), so an op can be
@@ -195,6 +195,8 @@ setup(
         "dev": read_requirements("requirements/requirements-dev.txt"),
         # the tensorboard monitor writes through torch.utils.tensorboard, which needs this package
         "tensorboard": ["tensorboard"],
+        # deepspeed.runtime.config_utils.DeepSpeedConfigModel is upstream's pydantic base class of config sections
+        "pydantic": ["pydantic>=2"],
     },
     entry_points={
         "console_scripts": [

@@ -6,12 +6,12 @@
 A random-weight ``LlamaForCausalLM`` with Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 query / 8 key-value
 heads, vocabulary 128256; sdpa attention), its embeddings untied (``--tied`` ties them as the released model does:
 upstream 0.19.8's ZeRO-3 then fails an assertion in its gradient bucket when ``TiledFusedLogitsLoss``'s
-forward-time gradient of the tied weight meets the embedding's), bf16, ZeRO-3, AdamW, micro-batch 1. The ALST tools are
-on for each implementation with its own code: ``TiledMLP`` on every MLP (tiles of ``hidden`` tokens),
-``TiledFusedLogitsLoss`` for the loss (tiles of ``--logits-tile`` tokens, so the ``[tokens, vocab]`` logits never
-exist at once) and checkpointed decoder layers whose inputs wait on the host (this package:
-``enable_checkpoint_offload``; upstream, which has none of its own in the package: Transformers'
-``gradient_checkpointing_enable(offload=True)``).
+forward-time gradient of the tied weight meets the embedding's), bf16, ZeRO-3, AdamW (lr 1e-5, no weight decay,
+gradient clipping 1.0), micro-batch 1. The ALST tools are on for each implementation with its own code: ``TiledMLP``
+on every MLP (tiles of ``hidden`` tokens), ``TiledFusedLogitsLoss`` for the loss (tiles of ``--logits-tile`` tokens,
+so the ``[tokens, vocab]`` logits never exist at once; each tile returns its share of the mean) and checkpointed
+decoder layers whose inputs wait on the host (this package: ``enable_checkpoint_offload``; upstream, which has none
+of its own in the package: Transformers' ``gradient_checkpointing_enable(offload=True)``).
 
 Search, per implementation, in one process: a training step (forward, backward, optimizer step) at ``--start``
 tokens, doubling until one runs out of memory, then bisecting between the last success and the first failure down
@@ -130,13 +130,15 @@ def _build(args, impl):
             "type": "AdamW",
             "params": {
                 "lr": 1e-5,
+                # explicit: upstream's torch.optim.AdamW would decay by 0.01, this package's FusedAdam by 0
+                "weight_decay": 0.0,
                 "torch_adam": True
             }
         },
         "gradient_clipping": 1.0,
         "steps_per_print": 1 << 30,
     }
-    if impl == "ours":
+    if impl == "ours":  # this package's FusedAdam; upstream's would be built on first use (torch's: the same step)
         ds_config["optimizer"]["params"].pop("torch_adam")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     return engine, model, ulysses
@@ -151,18 +153,20 @@ def _step(engine, model, ulysses, seq, logits_tile, vocab):
     shift_labels = torch.full_like(ids, -100)
     shift_labels[:, :-1] = ids[:, 1:]
     hidden = model.model(input_ids=ids, position_ids=position_ids).last_hidden_state
+    tokens = seq - 1
 
+    # Each tile's share of the mean over the sample's tokens, so that the tiled loss is the loss itself and its
+    # incoming gradient is 1: upstream 0.19.8's TiledFusedLogitsLoss does not scale the head weight's gradient by
+    # its incoming gradient (docs/compatibility.md), so a division after it would give upstream's head a gradient
+    # `tokens` times too large and, through clipping, a different step.
     def loss_fn(self, x, y):
         logits = self.lm_head(x).float()
-        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
-                                                 y.view(-1),
-                                                 ignore_index=-100,
-                                                 reduction="sum")
+        return torch.nn.functional.cross_entropy(
+            logits.view(-1, logits.shape[-1]), y.view(-1), ignore_index=-100, reduction="sum") / tokens
 
     shards = max(1, math.ceil(seq / logits_tile))
-    loss_sum = ulysses.TiledFusedLogitsLoss.apply(loss_fn, model, hidden, shift_labels, None, shards,
-                                                  [model.lm_head.weight], "sum")
-    loss = loss_sum / (seq - 1)
+    loss = ulysses.TiledFusedLogitsLoss.apply(loss_fn, model, hidden, shift_labels, None, shards,
+                                              [model.lm_head.weight], "sum")
     engine.backward(loss)
     engine.step()
     return float(loss)

@@ -62,6 +62,7 @@ def init_distributed(dist_backend=None,
     ``config`` (a DeepSpeed config dict or ``DeepSpeedConfig``) configures the comms logger.
     """
     peer_failure.check_usable()  # after an aborted group: the reason now, not a rendezvous that nobody joins
+    peer_failure.record_uncaught_exceptions()  # under torchrun: the node agent learns which rank failed on its own
     if config is not None:
         configure(deepspeed_config=config)
     if dist_init_required is False or is_initialized():

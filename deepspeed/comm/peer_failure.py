@@ -22,6 +22,14 @@ The protocol. Every rank reaches the rendezvous store (the default group's ``Sto
    abandoned, or a record shows that a rank left the step without issuing the collective the peer waits for, the
    peer marks the fault abandoned, aborts its group and raises :class:`PeerFailureError`, naming the rank, the call
    it left and its exception. A peer that raises because of the fault afterwards gets the same error.
+4. The protocol never makes a failure surface later than the transport reports it. An exception whose chain holds
+   the transport's report that a peer is gone (:data:`PEER_GONE`: the peer was killed, crashed, or exited after an
+   exception outside the engine's methods) skips the wait of step 2: this rank marks the fault abandoned, aborts its
+   group and raises :class:`PeerFailureError` at once, naming the peer and its exception if its record exists, else
+   saying it ended without one (or that the store holding the records went with it). An exception that ends a
+   process is published as its record before the exit closes the transport (:func:`record_uncaught_exceptions`),
+   so that a peer names it. Under torchrun a rank also writes its error file (a PeerFailureError marks a peer's
+   consequence), and the node agent reports the rank that failed on its own.
 
 After that no process group exists on these ranks: ``init_distributed`` (and so ``deepspeed.initialize``) raises
 :class:`PeerFailureError` at once, instead of waiting in a rendezvous no peer will join. A group cannot be mended
@@ -31,7 +39,8 @@ scheduler). A default group formed again by other means (``torch.distributed.ini
 Timeouts. The wait of step 2 is ``DS_PEER_FAILURE_TIMEOUT`` seconds (default 60, or :func:`set_failure_timeout`)
 and never more than half the process group's timeout. The process group's timeout (``init_distributed(timeout=
 ...)``, default upstream's ``DEEPSPEED_TIMEOUT`` environment variable in minutes, else 30) bounds everything else:
-a rank that dies or hangs without raising. ``KeyboardInterrupt`` and ``SystemExit`` abandon at once.
+a rank that hangs without raising (one that dies, the transport reports: step 4). ``KeyboardInterrupt`` and
+``SystemExit`` abandon at once.
 
 Limits. Only exceptions that leave ``engine.forward``, ``engine.backward`` or ``engine.step`` start the protocol
 (wrap a direct ``loss.backward()`` or custom code in :func:`failure_guard`); only waits of ``deepspeed.comm``
@@ -43,6 +52,7 @@ import contextlib
 import functools
 import json
 import os
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -50,11 +60,16 @@ from datetime import timedelta
 import torch.distributed as dist
 
 PREFIX = "deepspeed/peer_failure"
+# What a transport says when the process at the other end of a connection is gone (gloo's TCP pairs, NCCL's remote
+# error), lower-cased. Such an error is the transport's own, prompt report: nothing is left to wait for.
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
+             "ncclremoteerror")
 DEFAULT_FAILURE_TIMEOUT_S = 60.0
 WATCH_SLICE_S = 1.0
 POLL_S = 0.02
 ACK_WAIT_S = 5.0  # how long a failed rank keeps the store up for its peers to read the record
 MAX_REASON_CHARS = 600
+_RECORDED = "_deepspeed_fault_recorded"  # set on an exception the protocol has published
 
 
 class PeerFailureError(RuntimeError):
@@ -78,6 +93,7 @@ class _State:
         self.watch_world = None  # id() of the default group ``watch`` was decided for, and the decision
         self.watch = False
         self.watch_forced = None  # set_watched_waits
+        self.excepthook_installed = False  # record_uncaught_exceptions
         self.local = threading.local()
 
 
@@ -279,11 +295,17 @@ def on_exception(exc, where):
     peers = _peers()
     if peers is None:
         return
+    try:
+        setattr(exc, _RECORDED, True)  # an uncaught exception publishes no second record (record_uncaught_exceptions)
+    except AttributeError:
+        pass
     store, rank, world = peers
     base = _base()
     try:
         if store.check([f"{base}/abandoned"]):  # a peer gave up on this fault: that is why this rank failed
             _peer_failed(store, rank, world, exc, where)
+        if _transport_lost_peer(exc) is not None:  # a peer is gone: its record, if any, is there already
+            _peer_gone(store, rank, world, exc, where)
         store.set(f"{base}/rank{rank}", json.dumps(dict(seq=_sequences(), reason=_reason(exc, where))))
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             _abandon(store, rank, world, exc)
@@ -308,6 +330,8 @@ def on_exception(exc, where):
         _abort_group()
         _state.poisoned = (f"Training stopped: rank {rank} {_reason(exc, where)}; the rendezvous store could not be "
                            f"reached ({type(store_error).__name__}: {store_error})")
+        if _transport_lost_peer(exc) is not None:  # a peer is gone, and with it the store it held: say so now
+            _store_gone(rank, world, exc, where, store_error)
         _note(exc, f"[deepspeed] {_state.poisoned}; the process group was aborted (docs/faults.md)")
 
 
@@ -346,6 +370,125 @@ def _peer_failed(store, rank, world, cause, where):
     message = (f"rank {rank}: {where} could not complete: {described}. The process group was aborted on every "
                f"rank; restart the job (see docs/faults.md). This rank's own error: "
                f"{type(cause).__name__}: {str(cause)[:200]}")
+    _mark_consequence(message)
+    raise PeerFailureError(message, failed) from cause
+
+
+def _write_error_file(text):
+    """Under torchrun, write this worker's error file as torchrun's ``record`` decorator writes it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": text, "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}}
+    # Written aside and renamed into place: the agent stops the other workers as soon as one fails and then reads
+    # every error file, so a file it finds must never be half written.
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        with open(partial, "w") as handle:
+            json.dump(data, handle)
+        os.replace(partial, path)
+    except OSError:  # best effort: the agent then orders failures by time alone
+        pass
+
+
+def _mark_consequence(message):
+    """The error file says this rank fails because of a peer: the node agent then reports the rank whose failure
+    caused it, not this one (``deepspeed/launcher/launch.py``)."""
+    _write_error_file(f"{PeerFailureError.__name__}: {message}")
+
+
+def record_uncaught_exceptions():
+    """Make an exception that ends this process known before the interpreter's exit (which closes the transport and
+    can take seconds): its fault record goes to the rendezvous store, so that a peer names it (step 4 of the module
+    docstring), unless the exception already went through the protocol or was caused by a peer; under torchrun it
+    also goes to the worker's error file (as torchrun's ``record`` decorator would write it), so that the node agent
+    knows which rank ended on its own exception even when it stops that rank before it exits. Installed once, by
+    ``init_distributed``; the previous ``sys.excepthook`` runs after."""
+    if _state.excepthook_installed:
+        return
+    _state.excepthook_installed = True
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        try:
+            _record_uncaught(kind, value)
+        except Exception:  # never in the way of the traceback
+            pass
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+
+
+def _record_uncaught(kind, value):
+    cause = value
+    while cause is not None and not isinstance(cause, PeerFailureError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        _mark_consequence(str(cause))
+        return
+    text = f"{kind.__name__}: {value}".strip()
+    _write_error_file(text)
+    peers = _peers()
+    if peers is None or getattr(value, _RECORDED, False):
+        return
+    store, rank, world = peers
+    if len(text) > MAX_REASON_CHARS:
+        text = text[:MAX_REASON_CHARS] + " ..."
+    store.set(f"{_base()}/rank{rank}", json.dumps(dict(seq=_sequences(), reason=f"ended with an uncaught {text}")))
+
+
+def _transport_lost_peer(exc):
+    """The exception in ``exc``'s chain by which the transport reports a peer gone (:data:`PEER_GONE`), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc).lower()
+        if any(words in text for words in PEER_GONE):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _peer_gone(store, rank, world, cause, where):
+    """The transport reports a peer gone: end now (never later than the transport), naming the ranks that left a
+    record and their errors, and those that left none. Raises PeerFailureError."""
+    base = _base()
+    records = _records(store, world, base)
+    records.pop(rank, None)
+    silent = [q for q in range(world) if q != rank and q not in records]
+    parts = [_describe(records)] if records else []
+    if silent:
+        who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))}"
+        parts.append(f"{who} ended without a failure record" if world == 2 else f"{who} left no failure record")
+    described = "; ".join(parts)
+    store.compare_set(f"{base}/abandoned", "", described)  # peers still waiting fail at once too
+    store.set(f"{base}/ack{rank}", "1")
+    _abort_group()
+    failed = {q: r["reason"] for q, r in records.items()}
+    if world == 2 and silent:
+        failed[silent[0]] = "ended without a failure record"
+    _state.failed = failed
+    _state.poisoned = f"Training stopped on every rank: {described}."
+    _state.fault += 1
+    transport = str(_transport_lost_peer(cause)).strip().splitlines()[0][:300]
+    message = (f"rank {rank}: {where} could not complete: {described}. The transport reported the peer gone "
+               f"({transport}). The process group was aborted on every rank; restart the job (see docs/faults.md).")
+    _mark_consequence(message)
+    raise PeerFailureError(message, failed) from cause
+
+
+def _store_gone(rank, world, cause, where, store_error):
+    """The transport reports a peer gone and the store that would hold its record is unreachable (the peer held
+    it: rank 0 without the launcher). Raises PeerFailureError."""
+    failed = {1 - rank: "ended; no failure record could be read (the store it held is gone)"} if world == 2 else {}
+    _state.failed = failed
+    transport = str(_transport_lost_peer(cause)).strip().splitlines()[0][:300]
+    who = f"rank {1 - rank} ended" if world == 2 else "a peer ended"
+    message = (f"rank {rank}: {where} could not complete: {who}, and the rendezvous store could not be reached to "
+               f"read a failure record ({type(store_error).__name__}: {str(store_error)[:200]}). The transport "
+               f"reported the peer gone ({transport}). The process group was aborted; restart the job (see "
+               f"docs/faults.md).")
+    _mark_consequence(message)
     raise PeerFailureError(message, failed) from cause
 
 

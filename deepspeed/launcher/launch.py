@@ -143,10 +143,31 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
+def _caused_by_a_peer(failure) -> bool:
+    """Whether a worker's failure is a peer's consequence: it ended with deepspeed.comm.PeerFailureError, which it
+    writes into torchrun's error file (``peer_failure._mark_consequence``)."""
+    message = failure.message
+    text = message.get("message", "") if isinstance(message, dict) else str(message)
+    return isinstance(text, str) and text.startswith("PeerFailureError")
+
+
 def _failure_of(error) -> tuple:
-    """(rank, exit code) of the first failed worker in torchrun's ChildFailedError."""
-    rank, failure = error.get_first_failure()
+    """(rank, exit code) of the worker that failed first in torchrun's ChildFailedError.
+
+    torchrun orders failures by a timestamp in whole seconds, then as it found them (by local rank within one poll):
+    a rank that died and the peer that raised PeerFailureError within the same instant (docs/faults.md) can come out
+    in either order. A failure caused by a peer comes after every other, so the command reports the rank that
+    failed on its own, with its own exit code (128 + N for signal N). Workers write torchrun's error file when an
+    exception ends them (``peer_failure.record_uncaught_exceptions``).
+    """
+    order = {rank: index for index, rank in enumerate(error.failures)}
+    rank, failure = min(error.failures.items(),
+                        key=lambda item: (_caused_by_a_peer(item[1]), item[1].timestamp, order[item[0]]))
     code = failure.exitcode
+    if code == -signal.SIGTERM and isinstance(failure.message, dict):
+        # torchrun stopped it while it was exiting on an uncaught exception (its error file says which): the status
+        # it was exiting with is Python's for that, 1
+        return rank, 1
     return rank, (128 - code if code < 0 else code) or 1
 
 

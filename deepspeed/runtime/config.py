@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .config_audit import audit_config
 from .config_utils import (ConfigDict, ConfigSection, DeepSpeedConfigError, boolean, config_field, dtype, integer,
                            load_config, logger, mapping, number, one_of, optional, raise_on_auto_values, section, size,
                            string, string_list)
@@ -83,7 +84,9 @@ class _TopLevelSettings(ConfigSection):
     gradient_predivide_factor: float = config_field(1.0, parse=number(minimum=0.0, exclusive_minimum=True))
     gradient_allreduce_op: str = config_field("mean", parse=one_of(GRADIENT_ALLREDUCE_OP_SUPPORTED))
     communication_data_type: Optional[torch.dtype] = config_field(None, parse=optional(dtype()))
-    seq_parallel_comm_data_type: torch.dtype = config_field(torch.float32, parse=dtype())
+    seq_parallel_comm_data_type: torch.dtype = config_field(torch.float32,
+                                                            parse=dtype(),
+                                                            aliases=("seq_parallel_communication_data_type", ))
     sparse_gradients: bool = config_field(False, parse=boolean())
     disable_allgather: bool = config_field(False, parse=boolean())
     dataloader_drop_last: bool = config_field(False, parse=boolean())
@@ -97,7 +100,7 @@ class _TopLevelSettings(ConfigSection):
 
     @classmethod
     def from_top_level(cls, param_dict: dict) -> "_TopLevelSettings":
-        names = {spec.name for spec in dataclasses.fields(cls)}
+        names = {n for spec in dataclasses.fields(cls) for n in (spec.name, ) + spec.metadata["aliases"]}
         return cls.from_dict({key: value for key, value in param_dict.items() if key in names}, "")
 
 
@@ -336,6 +339,7 @@ class DeepSpeedConfig:
             resolve_batch_sizes(top.train_batch_size, top.train_micro_batch_size_per_gpu,
                                 top.gradient_accumulation_steps, self.world_size))
         self._check_cross_section_rules()
+        audit_config(self)  # upstream's keys this runtime does not act on: raise or warn (config_audit.py)
 
     @staticmethod
     def _warn_unknown_top_level_keys(param_dict: dict) -> None:

@@ -2,9 +2,10 @@
 """``DeepSpeedConfigModel``: upstream's pydantic base class for config sections, for code that subclasses it.
 
 This runtime validates its own config with the dataclass sections of :mod:`config_utils` and does not need
-pydantic; code written against upstream defines its own sections on this base, so the class exists when
-pydantic is installed (it is imported on first use of the name, and without pydantic that use raises
-``ImportError`` naming it).
+pydantic; code written against upstream defines its own sections on this base (with pydantic's ``Field`` and
+validators), so the class is pydantic's model and needs pydantic 2: the optional extra
+``pip install 'deepspeed[pydantic]'`` installs it. The module is imported on first use of the name; without
+pydantic 2 that use raises ``ModuleNotFoundError`` (an ``ImportError``) saying what to install.
 
 The contract, as upstream's:
 
@@ -22,9 +23,21 @@ The contract, as upstream's:
 from functools import reduce
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_serializer
 
-from deepspeed.utils.logging import logger
+# The extra that installs what this module needs (setup.py declares it).
+PYDANTIC_EXTRA = "pydantic"
+
+try:
+    from pydantic import BaseModel, ConfigDict, field_serializer
+except ImportError as error:  # absent, or pydantic 1 (no ConfigDict / field_serializer)
+    raise ModuleNotFoundError(
+        "deepspeed.runtime.config_utils.DeepSpeedConfigModel is upstream's base class of pydantic config sections "
+        f"and needs pydantic 2, which deepspeed does not install by default: "
+        f"pip install 'deepspeed[{PYDANTIC_EXTRA}]' (or pip install 'pydantic>=2'); import failed with "
+        f"{type(error).__name__}: {error}",
+        name="pydantic") from error
+
+from deepspeed.utils.logging import logger  # noqa: E402
 
 
 class DeepSpeedConfigModel(BaseModel):

@@ -188,6 +188,7 @@ KNOWN_TOP_LEVEL_KEYS = frozenset({
     GRADIENT_ALLREDUCE_OP,
     COMMUNICATION_DATA_TYPE,
     SEQ_PARALLEL_COMMUNICATION_DATA_TYPE,
+    "seq_parallel_communication_data_type",  # upstream's spelling of the key above
     SPARSE_GRADIENTS,
     DISABLE_ALLGATHER,
     DATALOADER_DROP_LAST,

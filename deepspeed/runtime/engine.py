@@ -268,7 +268,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                    data_sampler=data_sampler,
                                    num_local_io_workers=num_local_io_workers,
                                    dp_rank=groups._get_data_parallel_rank(),
-                                   dp_world_size=self.dp_world_size)
+                                   dp_world_size=self.dp_world_size,
+                                   drop_last=self._config.dataloader_drop_last)
 
     # ------------------------------------------------------------- properties
     def __getattr__(self, name):

@@ -471,41 +471,42 @@ def get_grad_zeros(parameters, mpu=None):
 class CheckOverflow:
     """Whether any gradient of a set of parameters holds a NaN or an infinity, agreed across ranks.
 
-    ``param_groups`` is a list of parameter lists. The verdict is max-reduced over ``mpu``'s model-parallel
-    group when an ``mpu`` is given, over the world with ``zero_reduce_scatter`` (and in
-    :meth:`check_using_norm` with ``reduce_overflow``), so every rank skips a step together.
+    ``param_groups`` is a list of parameter lists. The verdict is the engine's own skip decision
+    (:func:`deepspeed.runtime.precision.overflow.agreed_overflow`): true on every rank when a gradient (or, in
+    :meth:`check_using_norm`, a norm) is not finite on any rank its gradients span: the data-parallel group, which
+    holds the expert groups of MoE parameters, and the model-parallel group, of ``mpu`` when one is given, else of
+    the mesh. ``zero_reduce_scatter``, ``deepspeed`` and ``reduce_overflow`` are upstream's switches for which of
+    those groups to reduce over; they are accepted, and the verdict is always agreed over all of them (a rank whose
+    own gradients are finite must not step while a peer skips). :meth:`has_overflow_serial` is this rank's
+    finding alone.
     """
 
     def __init__(self, param_groups=None, mpu=None, zero_reduce_scatter=False, deepspeed=None):
+        from deepspeed.moe.utils import is_moe_param
         self.mpu = mpu
         self.zero_reduce_scatter = zero_reduce_scatter
         self.deepspeed = deepspeed
         self.params = [p for group in param_groups for p in group] if param_groups else None
-        self.has_moe_params = False
+        self.has_moe_params = any(is_moe_param(p) for p in self.params or ())
 
-    def _agree(self, overflow, world):
-        flag = torch.tensor([float(bool(overflow))], device=get_accelerator().current_device_name())
-        if dist.is_initialized():
-            if self.mpu is not None:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mpu.get_model_parallel_group())
-            elif world:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag[0].item())
+    def _agree(self, local):
+        from deepspeed.runtime.precision.overflow import agreed_overflow, overflow_groups
+        return agreed_overflow(local, overflow_groups(self.mpu))
 
     def check_using_norm(self, norm_group, reduce_overflow=True):
-        """Overflow from already computed norms (a norm that is non-finite or -1 counts)."""
-        return self._agree(any(is_invalid_grad_norm(n) for n in norm_group), reduce_overflow)
+        """Overflow from already computed norms (a norm that is non-finite or negative, upstream's -1, counts)."""
+        return self._agree(any(is_invalid_grad_norm(n) for n in norm_group))
 
     def check(self, param_groups=None):
         params = self.params if param_groups is None else [p for group in param_groups for p in group]
-        return self.has_overflow(params)
+        return self.has_overflow(params or [])
 
     def has_overflow_serial(self, params):
-        """This rank's verdict, without communication."""
+        """This rank's finding, without communication."""
         return any(p.grad is not None and bool(has_inf_or_nan(p.grad.data)) for p in params)
 
     def has_overflow(self, params, has_moe_params=None):
-        return self._agree(self.has_overflow_serial(params), self.zero_reduce_scatter)
+        return self._agree(self.has_overflow_serial(params))
 
 
 #########################################

@@ -2,24 +2,34 @@
 """The mesh: one description of how ranks are laid out, and every process group built from it.
 
 Nothing else in the package creates process groups. :class:`MeshDescription` is a frozen,
-pure description (world size, model-, sequence- and expert-parallel sizes, and the rank
-tables derived from them); :func:`initialize_mesh` builds it once at ``deepspeed.initialize``
-from the config's ``sequence_parallel_size``, an ``mpu`` and the MoE layers' ``ep_size``,
-and creates its groups. Every rank builds the same description and calls
-``torch.distributed.new_group`` for every group of it in the same order, so group creation
-never pairs mismatched collectives.
+pure description (world size, pipeline-, model- (tensor-), sequence- and expert-parallel sizes,
+and the rank tables derived from them); :func:`initialize_mesh` builds it once at
+``deepspeed.initialize`` from the config's ``sequence_parallel_size``, the pipeline and
+tensor-parallel sizes, an ``mpu`` and the MoE layers' ``ep_size``, and creates its groups.
+Every rank builds the same description and calls ``torch.distributed.new_group`` for every
+group of it in the same order, so group creation never pairs mismatched collectives.
 
 Rank layout (the standard one, without an ``mpu``)::
 
-    rank = (dp_index * sequence_parallel_size + sp_index) * model_parallel_size + mp_index
+    rank = ((pp_index * data_parallel_size + dp_index) * sequence_parallel_size + sp_index)
+           * model_parallel_size + mp_index
 
-* model-parallel groups are contiguous blocks of ``model_parallel_size`` ranks;
+The pipeline axis is outermost and the model (tensor) axis innermost, as upstream's
+``PipeModelDataParallelTopology`` (axes ``pipe, data, model``) lays them out:
+
+* model-parallel (tensor-parallel) groups are contiguous blocks of ``model_parallel_size``
+  ranks (``[0, 1], [2, 3]`` for tensor-parallel size 2 of world 4);
+* pipeline-parallel groups join the ranks with the same data, sequence and model index, one
+  per stage (``[0, 2], [1, 3]`` for 2 stages of world 4); the pipe-model-parallel group joins
+  the pipeline and model groups of one data-parallel replica (upstream's grid calls it the
+  model-parallel group: what checkpoints name ``mp_rank``);
 * sequence-parallel groups are contiguous within one model-parallel slot: ``[0, 1], [2, 3]``
   for sequence-parallel size 2 of world 4;
 * data-parallel groups join the ranks with the same sequence- and model-parallel index
   (``[0, 2], [1, 3]`` there); the sequence-data-parallel group joins every rank of one
   model-parallel index (every rank that saw different tokens: the whole world when
   ``model_parallel_size`` is 1);
+* every other group lies within one pipeline stage;
 * expert-parallel groups of size ``ep`` are contiguous runs of each sequence-data-parallel
   group (``[0, 1], [2, 3]`` for ep 2 of world 4) and the expert-data-parallel groups stride
   across them (``[0, 2], [1, 3]``): the ranks holding the same experts. Each expert group
@@ -80,7 +90,8 @@ class MeshDescription:
 
     ``expert_parallel_sizes`` holds the distinct expert-parallel sizes, sorted. The rank tables
     list every group of a kind (sorted tuples of global ranks, sorted); the expert tables are
-    derived from ``sequence_data_parallel_ranks``.
+    derived from ``sequence_data_parallel_ranks``, the pipe-model-parallel table from the
+    pipeline and model tables.
     """
     world_size: int
     model_parallel_size: int = 1
@@ -91,29 +102,54 @@ class MeshDescription:
     data_parallel_ranks: Table = ()
     sequence_data_parallel_ranks: Table = ()
     from_mpu: bool = False
+    pipe_parallel_size: int = 1
+    pipe_parallel_ranks: Table = ()
+    pipe_model_parallel_ranks: Table = ()
     expert_tables: Dict[str, Tuple[Table, Table]] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------ building
     @classmethod
-    def standard(cls, world_size, *, model_parallel_size=1, sequence_parallel_size=1, expert_parallel_sizes=()):
+    def standard(cls,
+                 world_size,
+                 *,
+                 model_parallel_size=1,
+                 sequence_parallel_size=1,
+                 expert_parallel_sizes=(),
+                 pipe_parallel_size=1):
         """The standard layout of the module docstring; :class:`MeshError` if the sizes do not fit the world."""
-        world_size, mp, sp = int(world_size), int(model_parallel_size), int(sequence_parallel_size)
-        if world_size < 1 or mp < 1 or sp < 1:
-            raise MeshError(f"mesh sizes must be positive: world {world_size}, model parallel {mp}, "
-                            f"sequence parallel {sp}")
-        if world_size % (mp * sp) != 0:
-            raise MeshError(f"the world size ({world_size}) is not divisible by model parallel size ({mp}) x "
-                            f"sequence_parallel_size ({sp})")
-        dp = world_size // (mp * sp)
+        world_size, mp, sp, pp = int(world_size), int(model_parallel_size), int(sequence_parallel_size), int(
+            pipe_parallel_size)
+        if world_size < 1 or mp < 1 or sp < 1 or pp < 1:
+            raise MeshError(f"mesh sizes must be positive: world {world_size}, pipeline parallel {pp}, model "
+                            f"parallel {mp}, sequence parallel {sp}")
+        if world_size % (pp * mp * sp) != 0:
+            raise MeshError(f"the world size ({world_size}) is not divisible by pipeline parallel size ({pp}) x "
+                            f"model parallel size ({mp}) x sequence_parallel_size ({sp})")
+        dp = world_size // (pp * mp * sp)
+        coords = [(p, d, s, m) for p in range(pp) for d in range(dp) for s in range(sp) for m in range(mp)]
 
-        def rank(d, s, m):
-            return (d * sp + s) * mp + m
+        def rank(p, d, s, m):
+            return ((p * dp + d) * sp + s) * mp + m
 
-        mp_table = tuple(tuple(rank(d, s, m) for m in range(mp)) for d in range(dp) for s in range(sp))
-        sp_table = tuple(tuple(rank(d, s, m) for s in range(sp)) for d in range(dp) for m in range(mp))
-        dp_table = tuple(tuple(rank(d, s, m) for d in range(dp)) for s in range(sp) for m in range(mp))
-        spdp_table = tuple(tuple(rank(d, s, m) for d in range(dp) for s in range(sp)) for m in range(mp))
-        return cls.from_tables(world_size, mp_table, sp_table, dp_table, spdp_table, expert_parallel_sizes)
+        def table(same):
+            """Groups of the ranks whose coordinates agree where ``same(coord)`` does."""
+            rows = {}
+            for c in coords:
+                rows.setdefault(same(c), []).append(rank(*c))
+            return tuple(tuple(ranks) for ranks in rows.values())
+
+        mp_table = table(lambda c: (c[0], c[1], c[2]))
+        sp_table = table(lambda c: (c[0], c[1], c[3]))
+        dp_table = table(lambda c: (c[0], c[2], c[3]))
+        spdp_table = table(lambda c: (c[0], c[3]))
+        pp_table = table(lambda c: (c[1], c[2], c[3]))
+        return cls.from_tables(world_size,
+                               mp_table,
+                               sp_table,
+                               dp_table,
+                               spdp_table,
+                               expert_parallel_sizes,
+                               pp_table=pp_table)
 
     @classmethod
     def from_tables(cls,
@@ -123,20 +159,30 @@ class MeshDescription:
                     dp_table,
                     spdp_table,
                     expert_parallel_sizes=(),
-                    from_mpu=False):
-        """A description from explicit rank tables (an mpu's); checked, expert tables derived."""
+                    from_mpu=False,
+                    pp_table=None):
+        """A description from explicit rank tables (an mpu's or a topology's); checked, the expert and
+        pipe-model tables derived. ``pp_table`` None: no pipeline parallelism (every rank its own stage group)."""
+        if pp_table is None:
+            pp_table = tuple((r, ) for r in range(world_size))
         tables = [
             tuple(sorted(tuple(sorted(int(r) for r in ranks)) for ranks in table))
-            for table in (mp_table, sp_table, dp_table, spdp_table)
+            for table in (mp_table, sp_table, dp_table, spdp_table, pp_table)
         ]
-        for kind, table in zip(("model-parallel", "sequence-parallel", "data-parallel", "sequence-data-parallel"),
-                               tables):
+        for kind, table in zip(
+            ("model-parallel", "sequence-parallel", "data-parallel", "sequence-data-parallel", "pipeline-parallel"),
+                tables):
             _check_table(kind, table, world_size)
-        mp, sp, dp, spdp = (len(t[0]) for t in tables)
-        if mp * sp * dp != world_size or sp * dp != spdp:
-            raise MeshError(f"inconsistent mesh: model parallel {mp} x sequence parallel {sp} x data parallel {dp} "
-                            f"must be the world size ({world_size}), sequence x data parallel the "
-                            f"sequence-data-parallel size ({spdp})")
+        mp, sp, dp, spdp, pp = (len(t[0]) for t in tables)
+        if pp * mp * sp * dp != world_size or sp * dp != spdp:
+            raise MeshError(f"inconsistent mesh: pipeline parallel {pp} x model parallel {mp} x sequence parallel "
+                            f"{sp} x data parallel {dp} must be the world size ({world_size}), sequence x data "
+                            f"parallel the sequence-data-parallel size ({spdp})")
+        pmp_table = _joined(tables[4], tables[0], world_size)
+        if pmp_table is None or any(len(ranks) != pp * mp for ranks in pmp_table):
+            raise MeshError(f"inconsistent mesh: the pipeline-parallel groups {[list(r) for r in tables[4]]} and the "
+                            f"model-parallel groups {[list(r) for r in tables[0]]} do not form pipeline x model "
+                            f"blocks of {pp * mp} ranks")
         sizes = tuple(sorted({int(e) for e in expert_parallel_sizes}))
         experts = {}
         for ep in sizes:
@@ -154,23 +200,31 @@ class MeshDescription:
                    data_parallel_ranks=tables[2],
                    sequence_data_parallel_ranks=tables[3],
                    from_mpu=from_mpu,
+                   pipe_parallel_size=pp,
+                   pipe_parallel_ranks=tables[4],
+                   pipe_model_parallel_ranks=pmp_table,
                    expert_tables=experts)
 
     def with_expert_sizes(self, expert_parallel_sizes):
         """This mesh with expert groups for ``expert_parallel_sizes`` added."""
         sizes = set(self.expert_parallel_sizes) | {int(e) for e in expert_parallel_sizes}
-        return MeshDescription.from_tables(self.world_size, self.model_parallel_ranks, self.sequence_parallel_ranks,
-                                           self.data_parallel_ranks, self.sequence_data_parallel_ranks, sizes,
-                                           self.from_mpu)
+        return MeshDescription.from_tables(self.world_size,
+                                           self.model_parallel_ranks,
+                                           self.sequence_parallel_ranks,
+                                           self.data_parallel_ranks,
+                                           self.sequence_data_parallel_ranks,
+                                           sizes,
+                                           self.from_mpu,
+                                           pp_table=self.pipe_parallel_ranks)
 
     # ---------------------------------------------------------- derived
     @property
     def data_parallel_size(self):
-        return self.world_size // (self.model_parallel_size * self.sequence_parallel_size)
+        return self.world_size // (self.pipe_parallel_size * self.model_parallel_size * self.sequence_parallel_size)
 
     @property
     def sequence_data_parallel_size(self):
-        return self.world_size // self.model_parallel_size
+        return self.world_size // (self.pipe_parallel_size * self.model_parallel_size)
 
     def group_names(self):
         return sorted(self.expert_tables, key=lambda name: int(name[len(EXPERT_GROUP_PREFIX):]))
@@ -179,7 +233,8 @@ class MeshDescription:
         """``[(kind, table)]`` in the order groups are created (the same on every rank)."""
         out = [("model_parallel", self.model_parallel_ranks), ("sequence_parallel", self.sequence_parallel_ranks),
                ("data_parallel", self.data_parallel_ranks),
-               ("sequence_data_parallel", self.sequence_data_parallel_ranks)]
+               ("sequence_data_parallel", self.sequence_data_parallel_ranks),
+               ("pipe_parallel", self.pipe_parallel_ranks), ("pipe_model_parallel", self.pipe_model_parallel_ranks)]
         for name in self.group_names():
             ep_table, edp_table = self.expert_tables[name]
             out.append((f"expert_parallel:{name}", ep_table))
@@ -203,7 +258,7 @@ class MeshDescription:
         """A JSON-able summary every rank must agree on."""
         return [
             self.world_size, self.model_parallel_size, self.sequence_parallel_size,
-            list(self.expert_parallel_sizes)
+            list(self.expert_parallel_sizes), self.pipe_parallel_size
         ]
 
 
@@ -215,6 +270,22 @@ def _expert_tables(sequence_data_parallel_table, ep):
         tuple(ranks[i:i + ep]) for ranks in sequence_data_parallel_table for i in range(0, len(ranks), ep))
     edp_table = tuple(tuple(ranks[j::ep]) for ranks in sequence_data_parallel_table for j in range(ep))
     return ep_table, edp_table
+
+
+def _row_of(table, rank):
+    for ranks in table:
+        if rank in ranks:
+            return ranks
+    raise KeyError(rank)
+
+
+def _joined(table_a, table_b, world_size):
+    """The groups each made of the ``table_b`` groups of one ``table_a`` group's members (None if they overlap)."""
+    out = set()
+    for ranks in table_a:
+        out.add(tuple(sorted({r for a in ranks for r in _row_of(table_b, a)})))
+    out = tuple(sorted(out))
+    return out if sorted(r for ranks in out for r in ranks) == list(range(world_size)) else None
 
 
 # ------------------------------------------------------------------ the built mesh
@@ -328,12 +399,17 @@ def _gather_json(obj, device):
 def mpu_groups(mpu_):
     """``{kind: group}`` for the groups an mpu provides (model, data, sequence, sequence-data parallel)."""
     found = {}
-    for kind, getter in (("model_parallel", "get_model_parallel_group"), ("data_parallel", "get_data_parallel_group"),
-                         ("sequence_parallel", "get_sequence_parallel_group"), ("sequence_data_parallel",
-                                                                                "get_sequence_data_parallel_group")):
-        fn = getattr(mpu_, getter, None)
-        if fn is not None:
-            found[kind] = fn()
+    getters = (("model_parallel", ("get_tensor_model_parallel_group",
+                                   "get_model_parallel_group")), ("data_parallel", ("get_data_parallel_group", )),
+               ("sequence_parallel", ("get_sequence_parallel_group", )), ("sequence_data_parallel",
+                                                                          ("get_sequence_data_parallel_group", )),
+               ("pipe_parallel", ("get_pipe_parallel_group", "get_pipeline_model_parallel_group")))
+    for kind, names in getters:
+        for name in names:
+            fn = getattr(mpu_, name, None)
+            if fn is not None:
+                found[kind] = fn()
+                break
     if "data_parallel" not in found and "sequence_data_parallel" not in found:
         raise MeshError(f"the mpu ({type(mpu_).__name__}) has neither get_data_parallel_group() nor "
                         f"get_sequence_data_parallel_group()")
@@ -349,7 +425,7 @@ def describe_mpu(mpu_, device, expert_parallel_sizes=()):
     if "data_parallel" not in found:  # a sequence-parallel mpu (parallel_state_sp): data = sequence-data / sp
         found["data_parallel"] = None
     mine = {}
-    for kind in ("model_parallel", "sequence_parallel", "data_parallel", "sequence_data_parallel"):
+    for kind in ("model_parallel", "sequence_parallel", "data_parallel", "sequence_data_parallel", "pipe_parallel"):
         group = found.get(kind)
         mine[kind] = list(_ranks_of_group(group)) if group is not None else None
     everyone = _gather_json(mine, device)
@@ -360,9 +436,11 @@ def describe_mpu(mpu_, device, expert_parallel_sizes=()):
             continue
         tables[kind] = tuple(sorted({tuple(entry[kind]) for entry in everyone}))
     if tables["model_parallel"] is None:
-        # Without a model-parallel group: each rank its own, unless the sequence-data groups leave ranks out.
+        # Without a model-parallel group: each rank its own, unless the sequence-data groups (with the pipeline's)
+        # leave ranks out.
         spdp = tables["sequence_data_parallel"]
-        mp = world // len(spdp[0])
+        pp = len(tables["pipe_parallel"][0]) if tables["pipe_parallel"] is not None else 1
+        mp = world // (len(spdp[0]) * pp)
         tables["model_parallel"] = tuple(tuple(sorted(ranks[i] for ranks in spdp))
                                          for i in range(len(spdp[0]))) if mp > 1 else tuple(
                                              (r, ) for r in range(world))
@@ -382,12 +460,19 @@ def describe_mpu(mpu_, device, expert_parallel_sizes=()):
                                               tables["data_parallel"],
                                               tables["sequence_data_parallel"],
                                               expert_parallel_sizes,
-                                              from_mpu=True)
+                                              from_mpu=True,
+                                              pp_table=tables["pipe_parallel"])
     # The mpu's groups are used as they are; kinds it does not give are created like any other group.
     return description, {kind: group for kind, group in found.items() if group is not None}
 
 
-def initialize_mesh(*, sequence_parallel_size=None, expert_parallel_sizes=(), mpu=None, device=None):
+def initialize_mesh(*,
+                    sequence_parallel_size=None,
+                    expert_parallel_sizes=(),
+                    mpu=None,
+                    device=None,
+                    pipe_parallel_size=1,
+                    model_parallel_size=1):
     """Build and make current the mesh of this run (a collective: every rank, same arguments).
 
     ``sequence_parallel_size`` is the config's (None: 1, or the mpu's); ``expert_parallel_sizes``
@@ -404,7 +489,9 @@ def initialize_mesh(*, sequence_parallel_size=None, expert_parallel_sizes=(), mp
     if mpu is None:
         description = MeshDescription.standard(world,
                                                sequence_parallel_size=sequence_parallel_size or 1,
-                                               expert_parallel_sizes=sizes)
+                                               expert_parallel_sizes=sizes,
+                                               pipe_parallel_size=pipe_parallel_size,
+                                               model_parallel_size=model_parallel_size)
         if _MESH is not None and _MESH.description == description:
             return _MESH
         return build_mesh(description)
@@ -461,9 +548,14 @@ def forget_groups():
 def initialize(ep_size=1, mpu=None):
     """Build the mesh with expert groups of ``ep_size`` (upstream's signature; a collective on every rank)."""
     mesh = _MESH
-    sp = mesh.description.sequence_parallel_size if mesh is not None and mpu is None else None
+    keep = mesh is not None and mpu is None  # the current mesh's axes stay
+    sp = mesh.description.sequence_parallel_size if keep else None
     sizes = set(mesh.description.expert_parallel_sizes) if mesh is not None else set()
-    return initialize_mesh(sequence_parallel_size=sp, expert_parallel_sizes=sorted(sizes | {int(ep_size)}), mpu=mpu)
+    return initialize_mesh(sequence_parallel_size=sp,
+                           expert_parallel_sizes=sorted(sizes | {int(ep_size)}),
+                           mpu=mpu,
+                           pipe_parallel_size=mesh.description.pipe_parallel_size if keep else 1,
+                           model_parallel_size=mesh.description.model_parallel_size if keep else 1)
 
 
 def _create_expert_and_data_parallel(expert_parallel_size_,
@@ -563,6 +655,74 @@ def _get_model_parallel_world_size():
 
 def _get_model_parallel_rank():
     return _index("model_parallel")
+
+
+def _get_pipe_parallel_group():
+    """The group of this rank's peers in the other pipeline stages (same data, sequence and model index)."""
+    return _group("pipe_parallel")
+
+
+def _get_pipe_parallel_world_size():
+    return _size("pipe_parallel")
+
+
+def _get_pipe_parallel_rank():
+    return _index("pipe_parallel")
+
+
+def _get_pipe_model_parallel_group():
+    """The pipeline x model (tensor) group of one data-parallel replica (upstream's grid: model parallel)."""
+    return _group("pipe_model_parallel")
+
+
+def _get_pipe_model_parallel_world_size():
+    return _size("pipe_model_parallel")
+
+
+def _get_pipe_model_parallel_rank():
+    return _index("pipe_model_parallel")
+
+
+# Tensor parallelism: upstream's public accessors (the model-parallel axis of the mesh is the tensor axis).
+def get_tensor_model_parallel_group():
+    return _group("model_parallel")
+
+
+def get_tensor_model_parallel_world_size():
+    return _size("model_parallel")
+
+
+def get_tensor_model_parallel_rank():
+    return _index("model_parallel")
+
+
+def get_tensor_model_parallel_src_rank():
+    """The global rank of the first member of this rank's tensor-parallel group."""
+    return current_mesh().ranks("model_parallel")[0]
+
+
+def get_model_parallel_group():
+    return _group("model_parallel")
+
+
+def get_model_parallel_world_size():
+    return _size("model_parallel")
+
+
+def get_model_parallel_rank():
+    return _index("model_parallel")
+
+
+def get_data_parallel_group():
+    return _group("data_parallel")
+
+
+def get_data_parallel_world_size():
+    return _size("data_parallel")
+
+
+def get_data_parallel_rank():
+    return _index("data_parallel")
 
 
 def _get_sequence_parallel_group():

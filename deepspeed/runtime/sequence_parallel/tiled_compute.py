@@ -42,6 +42,23 @@ def _leaf_input(t: Tensor) -> Tensor:
     return t.detach().requires_grad_(t.requires_grad)
 
 
+_SCALE_PIECE = 1 << 22  # elements of a 16-bit tensor multiplied in float32 at a time (16 MiB)
+
+
+def _scaled_into(src: Tensor, factor: Tensor, out: Tensor) -> Tensor:
+    """``out = src * factor`` rounded once into ``out``'s dtype. An elementwise product of a 16-bit tensor and a
+    0-dim float32 tensor on one device rounds the factor to 16 bits first: for a loss divided by a token count after
+    the tiled loss, every gradient would move by up to 2**-9 (bf16), all in one direction. 16-bit tensors are
+    multiplied in float32 instead, a piece at a time; ``out`` may be ``src``."""
+    if src.dtype not in (torch.float16, torch.bfloat16):
+        return torch.mul(src, factor, out=out)
+    if not (src.is_contiguous() and out.is_contiguous()):
+        return out.copy_(src.float() * factor)
+    for piece, into in zip(src.view(-1).split(_SCALE_PIECE), out.view(-1).split(_SCALE_PIECE)):
+        into.copy_(piece.float().mul_(factor))
+    return out
+
+
 class _ParamGrads:
     """The tile-summed gradients of a list of parameters, delivered once."""
 
@@ -55,7 +72,7 @@ class _ParamGrads:
                 self.sums[i] = g if self.sums[i] is None else self.sums[i] + g
 
     def scale(self, factor: Tensor) -> None:
-        self.sums = [None if g is None else g * factor.to(g.dtype) for g in self.sums]
+        self.sums = [None if g is None else _scaled_into(g, factor, torch.empty_like(g)) for g in self.sums]
 
     def deliver(self) -> None:
         """One accumulation per parameter that received a gradient, inside the running backward."""
@@ -299,7 +316,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         ctx.param_grads.deliver()
         x_grad, ctx.x_grad = ctx.x_grad, None
         if x_grad is not None:  # ours alone: scaled in place
-            x_grad.mul_(upstream.to(x_grad.dtype))
+            _scaled_into(x_grad, upstream, x_grad)
         return None, None, x_grad, None, None, None, None, None
 
 

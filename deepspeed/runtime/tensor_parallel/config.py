@@ -11,10 +11,10 @@ class AUTOTP_MODE(Enum):
 
 def get_tensor_parallel_config(ds_config):
     """None when the config asks for no tensor parallelism (no section, or ``autotp_size`` <= 1); otherwise
-    ``NotImplementedError``."""
-    section = ds_config.get("tensor_parallel") if isinstance(ds_config, dict) else None
-    size = (section or {}).get("autotp_size", (section or {}).get("tp_size", 1))
-    if size is not None and int(size) > 1:
-        raise NotImplementedError("automatic tensor parallelism (tensor_parallel.autotp_size > 1) is not built in "
-                                  "this runtime; see docs/compatibility.md")
+    ``NotImplementedError``, by the row of ``deepspeed/runtime/config_audit.py`` that refuses the section."""
+    from deepspeed.runtime.config_audit import NOT_BUILT, refusal
+    message = refusal(ds_config, [row for row in NOT_BUILT
+                                  if row.key == "tensor_parallel"]) if isinstance(ds_config, dict) else None
+    if message is not None:
+        raise NotImplementedError(message)
     return None

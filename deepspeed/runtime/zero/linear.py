@@ -4,8 +4,9 @@
 
 ``y = x @ W.T + b`` with ``x`` of any rank ``>= 1``. The backward computes ``dx = dy @ W``,
 ``dW = dy.T @ x`` over all leading dimensions and ``db = sum(dy)``, under the autocast state the forward
-ran with (so an outer autocast region cannot change the backward's precision); under autocast the forward
-casts like ``torch.nn.Linear`` (input, weight and bias to the autocast dtype). Under this runtime's ZeRO-3
+ran with (so an outer autocast region cannot change the backward's precision). The forward is
+``torch.nn.functional.linear``, so under ``torch.autocast`` the input, weight and bias are cast together and the
+output has the autocast dtype, as a ``torch.nn.Linear``'s has. Under this runtime's ZeRO-3
 a released parameter keeps its storage object (emptied, refilled by the next gather), so torch's own
 ``Linear`` is already safe there; this layer exists for code that names it.
 """

@@ -26,6 +26,7 @@ import contextlib
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.precision.overflow import agreed_overflow
 from deepspeed.runtime.zero import grad_ops, host_math
 from deepspeed.runtime.zero.grad_pipeline import GradPipeline
 from deepspeed.runtime.zero.profiling import ds_range
@@ -173,7 +174,10 @@ class ZeroStage:
     speculative = None  # a SpeculativeStep (offload_optimizer.super_offload, stages 1-3), or None
 
     def found_overflow(self):
-        overflow = not bool(torch.isfinite(self.global_grad_norm()).item())
+        """Whether the window gradient holds a NaN or an infinity on any rank (the same answer on every rank)."""
+        # The norm is summed over the reduction group, which holds every rank the window gradient spans (expert
+        # groups lie inside it), so the finding is already agreed (precision/overflow.py).
+        overflow = agreed_overflow(not bool(torch.isfinite(self.global_grad_norm()).item()))
         if overflow and self.speculative is not None:
             self.speculative.overflow()
         return overflow

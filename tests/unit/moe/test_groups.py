@@ -48,20 +48,49 @@ def test_model_parallel_layout():
     assert d.expert_tables["ep_size_2"][0] == ((0, 2), (1, 3), (4, 6), (5, 7))
 
 
+def test_pipe_model_data_layout():
+    """Upstream's PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2): rank = p*4 + d*2 + m."""
+    d = MeshDescription.standard(8, pipe_parallel_size=2, model_parallel_size=2)
+    assert d.model_parallel_ranks == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert d.data_parallel_ranks == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert d.pipe_parallel_ranks == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert d.pipe_model_parallel_ranks == ((0, 1, 4, 5), (2, 3, 6, 7))
+    assert d.sequence_data_parallel_ranks == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert d.data_parallel_size == 2 and d.sequence_data_parallel_size == 2 and d.pipe_parallel_size == 2
+    d2 = MeshDescription.standard(4, pipe_parallel_size=2, expert_parallel_sizes=[2])
+    assert d2.pipe_parallel_ranks == ((0, 2), (1, 3)) and d2.data_parallel_ranks == ((0, 1), (2, 3))
+    assert d2.expert_tables["ep_size_2"] == (((0, 1), (2, 3)), ((0, ), (1, ), (2, ), (3, )))
+    with pytest.raises(MeshError, match="pipeline parallel size"):
+        MeshDescription.standard(6, pipe_parallel_size=4)
+    with pytest.raises(MeshError, match="pipeline x model"):  # stages that cut across tensor groups
+        single = tuple((r, ) for r in range(8))
+        dp = ((0, 4), (1, 5), (2, 6), (3, 7))
+        MeshDescription.from_tables(8, ((0, 1), (2, 3), (4, 5), (6, 7)),
+                                    single,
+                                    dp,
+                                    dp,
+                                    pp_table=((0, 2), (1, 4), (3, 5), (6, 7)))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_layouts_are_consistent(seed):
     rng = random.Random(seed)
     world = rng.choice([1, 2, 3, 4, 6, 8, 12])
-    sp = rng.choice([d for d in range(1, world + 1) if world % d == 0])
-    ep = rng.choice([d for d in range(1, world // sp * sp + 1) if world % d == 0])
-    d = MeshDescription.standard(world, sequence_parallel_size=sp, expert_parallel_sizes=[ep])
+    pp = rng.choice([d for d in range(1, world + 1) if world % d == 0])
+    sp = rng.choice([d for d in range(1, world // pp + 1) if (world // pp) % d == 0])
+    ep = rng.choice([d for d in range(1, world // pp + 1) if (world // pp) % d == 0])
+    d = MeshDescription.standard(world, sequence_parallel_size=sp, expert_parallel_sizes=[ep], pipe_parallel_size=pp)
     for _, table in d.tables():
         assert _cover(table, world)
+    for a in d.pipe_parallel_ranks:  # a pipeline group meets every sequence-data group at most once
+        for b in d.sequence_data_parallel_ranks:
+            assert len(set(a) & set(b)) <= 1
     ep_table, edp_table = d.expert_tables[f"ep_size_{ep}"]
-    assert all(len(g) == ep for g in ep_table) and all(len(g) == world // ep for g in edp_table)
-    for a in ep_table:  # an expert-parallel group meets every expert-data group in exactly one rank
+    assert all(len(g) == ep for g in ep_table) and all(len(g) == world // pp // ep for g in edp_table)
+    spdp_of = {r: ranks for ranks in d.sequence_data_parallel_ranks for r in ranks}
+    for a in ep_table:  # an expert-parallel group meets every expert-data group of its stage in exactly one rank
         for b in edp_table:
-            assert len(set(a) & set(b)) == 1
+            assert len(set(a) & set(b)) == (1 if spdp_of[a[0]] == spdp_of[b[0]] else 0)
     for r in range(world):
         c = d.coordinates(r)
         assert d.ranks_of("sequence_parallel", r)[c["sequence_parallel"]] == r
@@ -86,10 +115,10 @@ def _sum_over(group):
     return t.item()
 
 
-def _check_groups(sp, ep):
+def _check_groups(sp, ep, pp=1):
     world, rank = tdist.get_world_size(), tdist.get_rank()
-    mesh = groups.initialize_mesh(sequence_parallel_size=sp, expert_parallel_sizes=[ep])
-    d = MeshDescription.standard(world, sequence_parallel_size=sp, expert_parallel_sizes=[ep])
+    mesh = groups.initialize_mesh(sequence_parallel_size=sp, expert_parallel_sizes=[ep], pipe_parallel_size=pp)
+    d = MeshDescription.standard(world, sequence_parallel_size=sp, expert_parallel_sizes=[ep], pipe_parallel_size=pp)
     assert mesh.description == d
     name = f"ep_size_{ep}"
     expect = {
@@ -98,6 +127,8 @@ def _check_groups(sp, ep):
         "spdp": d.ranks_of("sequence_data_parallel", rank),
         "ep": d.ranks_of(f"expert_parallel:{name}", rank),
         "edp": d.ranks_of(f"expert_data_parallel:{name}", rank),
+        "pp": d.ranks_of("pipe_parallel", rank),
+        "pmp": d.ranks_of("pipe_model_parallel", rank),
     }
     got = {
         "sp": (groups._get_sequence_parallel_group(), groups._get_sequence_parallel_world_size(),
@@ -110,6 +141,10 @@ def _check_groups(sp, ep):
                groups._get_expert_parallel_rank(name)),
         "edp": (groups._get_expert_data_parallel_group(name), groups._get_expert_data_parallel_world_size(name),
                 groups._get_expert_data_parallel_rank(name)),
+        "pp":
+        (groups._get_pipe_parallel_group(), groups._get_pipe_parallel_world_size(), groups._get_pipe_parallel_rank()),
+        "pmp": (groups._get_pipe_model_parallel_group(), groups._get_pipe_model_parallel_world_size(),
+                groups._get_pipe_model_parallel_rank()),
     }
     for key, ranks in expect.items():
         group, size, index = got[key]
@@ -122,16 +157,17 @@ def _check_groups(sp, ep):
     assert groups._get_expert_broadcast_src_rank(name) == expect["edp"][0]
     assert groups._get_model_parallel_world_size() == 1 and groups._get_model_parallel_rank() == 0
     # A second build of the same mesh creates no group: the same objects come back.
-    again = groups.initialize_mesh(sequence_parallel_size=sp, expert_parallel_sizes=[ep])
+    again = groups.initialize_mesh(sequence_parallel_size=sp, expert_parallel_sizes=[ep], pipe_parallel_size=pp)
     assert again.groups == mesh.groups
     groups.reset_mesh()
     return True
 
 
-@pytest.mark.parametrize("world, sp, ep", [(1, 1, 1), (2, 1, 2), (2, 2, 1), (3, 1, 3), (4, 2, 2), (4, 1, 2), (4, 4, 4),
-                                           (4, 2, 4)])
-def test_groups_work(world, sp, ep):
-    assert run_distributed(_check_groups, world, args=(sp, ep), timeout=T) == [True] * world
+@pytest.mark.parametrize("world, sp, ep, pp", [(1, 1, 1, 1), (2, 1, 2, 1), (2, 2, 1, 1), (3, 1, 3, 1), (4, 2, 2, 1),
+                                               (4, 1, 2, 1), (4, 4, 4, 1), (4, 2, 4, 1), (2, 1, 1, 2), (4, 1, 2, 2),
+                                               (3, 1, 1, 3)])
+def test_groups_work(world, sp, ep, pp):
+    assert run_distributed(_check_groups, world, args=(sp, ep, pp), timeout=T) == [True] * world
 
 
 class _SequenceMpu:

@@ -405,7 +405,7 @@ def test_fp16_dynamic_loss_scale_args():
         "fp16.loss_scale_window": 500,
         "fp16.hysteresis": 3,
         "fp16.consecutive_hysteresis": True,
-        "fp16.min_loss_scale": 0.5,
+        "fp16.min_loss_scale": 2,
     })
     assert cfg.fp16_enabled and cfg.loss_scale == 0
     assert cfg.initial_dynamic_scale == 2.0**12
@@ -414,7 +414,7 @@ def test_fp16_dynamic_loss_scale_args():
         "scale_window": 500,
         "delayed_shift": 3,
         "consecutive_hysteresis": True,
-        "min_scale": 0.5,
+        "min_scale": 2,
     }
 
 
@@ -561,11 +561,11 @@ ERROR_CASES = [
     ({"fp16.enabled": True, "bf16.enabled": True}, "fp16.enabled", "bf16.enabled"),
     ({"fp16.enabled": True, "bfloat16.enabled": True}, "fp16.enabled", "bfloat16.enabled"),
     ({"bf16.enabled": True, "bfloat16.enabled": True}, "bfloat16", "bf16"),
-    ({"fp16.loss_scale": -1}, "fp16.loss_scale", ">= 0.0"),
+    ({"fp16.loss_scale": -1}, "fp16.loss_scale", ">= 0"),
     ({"fp16.enabled": "true"}, "fp16.enabled", "bool"),
     ({"fp16.initial_scale_power": 1.5}, "fp16.initial_scale_power", "integer"),
-    ({"fp16.hysteresis": 0}, "fp16.hysteresis", ">= 1"),
-    ({"fp16.min_loss_scale": 0}, "fp16.min_loss_scale", "> 0.0"),
+    ({"fp16.enabled": True, "fp16.hysteresis": 0}, "fp16.hysteresis", "> 0"),
+    ({"fp16.enabled": True, "fp16.min_loss_scale": 0}, "fp16.min_loss_scale", "> 0"),
     ({"fp16": 1}, "fp16", "dict"),
     ({"bf16.bf16_optimizer_states": True}, "bf16.bf16_optimizer_states", "bf16.bf16_master_weights_and_grads"),
     ({"bf16.bf16_master_weights_and_grads": True}, "bf16.bf16_master_weights_and_grads", f"{Z}.stage"),

@@ -148,6 +148,27 @@ def test_tiled_logits_loss_sum_equals_full_cross_entropy(bs, seqlen, shards, wit
     _assert_same_grads(_grads(head), _grads(ref_head))
 
 
+def _weighted_sum(module, x, y):  # in float32, as a loss over logits cast to float32
+    return (x.float() * module.weight.float() * y.unsqueeze(-1)).sum()
+
+
+def test_tiled_logits_loss_scales_16bit_gradients_in_float32():
+    # bf16 inputs and weight whose gradients are small integers, a float32 loss divided by 255 after the tiled loss
+    # as by a token count: each bf16 gradient is g / 255 rounded once, as autograd gives it. Rounding 1/255 to
+    # bf16 first (0.0039368 for 0.0039216) would move every gradient up by 0.39%.
+    head = torch.nn.Module()
+    head.weight = torch.nn.Parameter(torch.randint(-8, 9, (6, ), dtype=torch.bfloat16))
+    ref_head = copy.deepcopy(head)
+    x = torch.randint(-8, 9, (1, 12, 6), dtype=torch.bfloat16).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y = torch.randint(-3, 4, (1, 12))
+    loss = TiledFusedLogitsLoss.apply(_weighted_sum, head, x, y, None, 4, [head.weight], "sum") / 255
+    loss.backward()
+    (_weighted_sum(ref_head, x_ref, y) / 255).backward()
+    assert torch.equal(x.grad, x_ref.grad) and torch.equal(head.weight.grad, ref_head.weight.grad)
+    assert torch.equal(x.grad, (head.weight.float() * y.unsqueeze(-1) / 255).to(torch.bfloat16))
+
+
 def test_tiled_logits_loss_mean_is_the_mean_of_tile_losses():
     torch.manual_seed(4)
     head = Head(4, 7)

@@ -193,6 +193,27 @@ def test_deepspeed_config_model_deprecations():
     assert get_config_default(Section, "new_size") == 0
 
 
+def test_deepspeed_config_model_without_pydantic_names_the_extra(monkeypatch):
+    """Without pydantic 2 the name raises an ImportError saying what to install, and setup.py declares that extra."""
+    import ast
+    import os
+    import sys
+    monkeypatch.delitem(sys.modules, "deepspeed.runtime.config_model", raising=False)
+    monkeypatch.setitem(sys.modules, "pydantic", None)  # an import of pydantic fails as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install 'deepspeed\[pydantic\]'") as raised:
+        from deepspeed.runtime.config_utils import DeepSpeedConfigModel  # noqa: F401
+    assert raised.value.name == "pydantic"
+    import deepspeed
+    setup_py = os.path.join(os.path.dirname(os.path.dirname(deepspeed.__file__)), "setup.py")
+    if not os.path.isfile(setup_py):
+        pytest.skip("not a source checkout")
+    extras = next(keyword.value for node in ast.walk(ast.parse(open(setup_py).read()))
+                  if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup"
+                  for keyword in node.keywords if keyword.arg == "extras_require")
+    declared = {ast.literal_eval(key): value for key, value in zip(extras.keys, extras.values)}
+    assert ast.literal_eval(declared["pydantic"]) == ["pydantic>=2"]
+
+
 def test_config_getters_and_precision_config():
     from deepspeed.runtime import config as ds_config
     from deepspeed.runtime import precision_config as pc

@@ -71,18 +71,41 @@ def test_zero3_linear_matches_torch(shape, bias):
 
 
 @pytest.mark.parametrize("shape", [(5, ), (3, 5), (2, 3, 5)])
-def test_zero3_linear_under_autocast_and_torch_func(shape):
-    """Under autocast the output dtype and values are torch.nn.Linear's, and the backward of an fp32 forward is
-    not changed by an autocast region around it; torch.func.grad and vmap run through the function."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_zero3_linear_follows_autocast(shape, dtype):
+    """Under torch.autocast the output takes the autocast dtype, and output and gradients are torch.nn.Linear's."""
+    from deepspeed.runtime.zero.linear import LinearModuleForZeroStage3
+    torch.manual_seed(0)
+    layer = LinearModuleForZeroStage3(5, 4)
+    reference = torch.nn.Linear(5, 4)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(shape, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=dtype):
+        out, ref = layer(x), reference(x_ref)
+    assert out.dtype == ref.dtype == dtype
+    assert torch.equal(out, ref)
+    grad = torch.randn(out.shape).to(dtype)
+    out.backward(grad)
+    ref.backward(grad)
+    for got, want in ((x.grad, x_ref.grad), (layer.weight.grad, reference.weight.grad), (layer.bias.grad,
+                                                                                         reference.bias.grad)):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    with torch.autocast("cpu", enabled=False):  # autocast off inside an autocast region: the weights' dtype
+        assert layer(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("shape", [(5, ), (3, 5), (2, 3, 5)])
+def test_zero3_linear_backward_autocast_and_torch_func(shape):
+    """The backward of an fp32 forward is not changed by an autocast region around it; torch.func.grad and vmap
+    run through the function."""
     from deepspeed.runtime.zero.linear import LinearModuleForZeroStage3, zero3_linear_wrap
     torch.manual_seed(0)
     layer = LinearModuleForZeroStage3(5, 4)
     reference = torch.nn.Linear(5, 4)
     reference.load_state_dict(layer.state_dict())
     x = torch.randn(shape)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, ref = layer(x), reference(x)
-    assert out.dtype == ref.dtype == torch.bfloat16 and torch.equal(out, ref)
     plain = layer(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain.sum().backward()

@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Config keys of upstream's surface that this runtime parses but does not act on: one table, checked per config.
+
+Every key or section upstream DeepSpeed acts on is either honoured here or listed below, so that a config never
+asks for something the run silently does without:
+
+* :data:`NOT_BUILT`: the feature changes what training computes (tensor or pipeline parallelism, NVMe offload,
+  quantized or compressed training, ...). A config that asks for it raises ``NotImplementedError`` naming the key.
+  ``DeepSpeedConfig`` runs the check when it is built, which ``deepspeed.initialize`` does on every rank before
+  any collective, so every rank raises the same error and nothing hangs.
+* :data:`NO_EFFECT`: the key only tunes speed or memory (the optimizer still sees the exact gradient), or upstream
+  itself ignores it without a companion feature. A config that sets it is accepted with one warning saying so.
+
+A row names the key as the user writes it (a dotted path), a predicate on its value (is the feature asked for?),
+the feature, and what to do instead. When a feature is built, its row goes (and its row in
+``tests/unit/runtime/test_config_audit.py``); nothing else refers to the rows.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .config_utils import DeepSpeedConfigError, logger
+
+DOCS = "see docs/compatibility.md"
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str  # dotted path into the config dict
+    asks: Callable[[Any], bool]  # the value at ``key`` (when present) asks for the feature
+    feature: str
+    instead: str = ""
+
+
+def _enabled(value) -> bool:
+    """A switch as upstream reads one (pydantic's lax bools: ``"true"``, ``1`` ... count as on)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes", "on", "t", "y")
+    return bool(value)
+
+
+def _section_enabled(value) -> bool:
+    return isinstance(value, dict) and _enabled(value.get("enabled", False))
+
+
+def _given(value) -> bool:
+    """A section with anything in it."""
+    return value not in (None, {}, [], False)
+
+
+# upstream's defaults of the 'pipeline' section: a section holding only these asks for nothing
+PIPELINE_DEFAULTS = {
+    "stages": "auto",
+    "partition": "best",
+    "seed_layers": False,
+    "activation_checkpoint_interval": 0,
+    "pipe_partitioned": True,
+    "grad_partitioned": True,
+}
+
+
+def _pipeline(section) -> bool:
+    if not isinstance(section, dict):
+        return _given(section)
+    return any(key not in PIPELINE_DEFAULTS or value != PIPELINE_DEFAULTS[key] for key, value in section.items())
+
+
+def _nvme(value) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "nvme"
+
+
+def _above_one(value) -> bool:
+    try:
+        return not isinstance(value, bool) and float(value) > 1
+    except (TypeError, ValueError):
+        return False
+
+
+def _tensor_parallel(section) -> bool:
+    """``autotp_size`` (or the older ``tp_size``, top-level or under ``tp``) above 1."""
+    if not isinstance(section, dict):
+        return False
+    inner = section.get("tp") if isinstance(section.get("tp"), dict) else {}
+    return any(_above_one(v) for v in (section.get("autotp_size"), section.get("tp_size"), inner.get("tp_size")))
+
+
+def _any_enabled(section) -> bool:
+    """Any ``enabled`` switch on, at any depth (the compression library nests one per technique)."""
+    if isinstance(section, dict):
+        return any((key == "enabled" and _enabled(value)) or _any_enabled(value) for key, value in section.items())
+    if isinstance(section, list):
+        return any(_any_enabled(item) for item in section)
+    return False
+
+
+def _quantized_weights(section) -> bool:
+    return isinstance(section, dict) and any(
+        _given(section.get(k)) for k in ("quantized_initialization", "post_init_quant"))
+
+
+def _reduced_precision(value) -> bool:
+    return isinstance(value, str) and value.strip().lower() not in ("fp32", "float32", "float", "torch.float32")
+
+
+NOT_BUILT = (
+    # tensor parallelism, pipeline parallelism and NVMe offload are being built: each lifts its own rows
+    Row("tensor_parallel", _tensor_parallel, "tensor parallelism (AutoTP, tensor_parallel.autotp_size > 1)",
+        "training would run as plain data parallelism; remove the section or set autotp_size to 1"),
+    Row("pipeline", _pipeline, "pipeline parallelism (a 'pipeline' section beyond upstream's defaults)",
+        "remove the section; deepspeed.pipe.PipelineModule is not built either"),
+    Row("zero_optimization.offload_optimizer.device", _nvme, "NVMe offload (offload_optimizer.device 'nvme')",
+        "use device 'cpu'"),
+    Row("zero_optimization.offload_param.device", _nvme, "NVMe offload (offload_param.device 'nvme')",
+        "use device 'cpu'"),
+    # features upstream has, or had, that change what training computes
+    Row("amp", _section_enabled, "NVIDIA Apex AMP (amp.enabled; upstream 0.19 removed it too)",
+        "use 'fp16', 'bf16' or 'torch_autocast'"),
+    Row("hybrid_engine", _section_enabled, "the hybrid engine (hybrid_engine.enabled: DeepSpeedHybridEngine)"),
+    Row("quantize_training", _section_enabled, "Mixture-of-Quantization training (quantize_training.enabled)"),
+    Row("compression_training", _any_enabled, "the compression library (compression_training; deepspeed.compression)",
+        "the model would train unquantized and unpruned"),
+    Row("weight_quantization", _quantized_weights,
+        "quantized weights (weight_quantization.quantized_initialization / post_init_quant)"),
+    Row("compile.deepcompile", _enabled, "DeepCompile (compile.deepcompile)", "use engine.compile() or torch.compile"),
+    Row("autotuning", _section_enabled, "the autotuner (autotuning.enabled)"),
+    Row("data_efficiency", _section_enabled, "data efficiency (data_efficiency.enabled: curriculum sampling, "
+        "dynamic batching, random-LTD)"),
+    Row("curriculum_learning", _section_enabled, "legacy curriculum learning (curriculum_learning.enabled)"),
+    Row("progressive_layer_drop", _section_enabled, "progressive layer drop (progressive_layer_drop.enabled)"),
+    Row("nebula", _section_enabled, "Nebula checkpointing (nebula.enabled)",
+        "checkpoints would be written locally with torch.save"),
+    Row("use_data_before_expert_parallelism", _enabled, "the data-before-expert-parallel rank layout "
+        "(use_data_before_expert_parallelism)", "expert groups would be laid out expert-parallel first"),
+    Row("checkpoint.use_node_local_storage", _enabled, "node-local checkpoint storage "
+        "(checkpoint.use_node_local_storage)", "only global rank 0 writes the shared files"),
+)
+
+NO_EFFECT = (
+    Row(
+        "aio", _given, "the 'aio' section",
+        "it configures NVMe offload's file I/O, which is not built; without NVMe offload it has no effect, as "
+        "upstream's"),
+    Row("sparse_gradients", _enabled, "sparse_gradients",
+        "embedding gradients are reduced dense, to the same values (upstream 0.19 refuses the key)"),
+    Row("graph_harvesting", _enabled, "graph_harvesting", "a speed option (upstream 0.19 refuses the key)"),
+    Row("sparse_attention", _given, "the 'sparse_attention' section",
+        "it configures sparse attention ops, which are not built (upstream 0.19 refuses the section)"),
+    Row("datastates", _given, "the 'datastates' section",
+        "checkpoints are written with torch.save, as upstream writes them without the datastates package"),
+    Row("disable_python_gc", _enabled, "disable_python_gc", "Python's garbage collector keeps running"),
+    Row("dump_state", _enabled, "dump_state", "the engine's state is not printed (DeepSpeedConfig.print() shows the "
+        "configuration)"),
+    Row(
+        "seq_parallel_communication_data_type", _reduced_precision, "seq_parallel_communication_data_type",
+        "gradients are reduced in 'communication_data_type' (default: the fp32 accumulation dtype), with or "
+        "without sequence parallelism"),
+    Row(
+        "seq_parallel_comm_data_type", _reduced_precision, "seq_parallel_comm_data_type",
+        "gradients are reduced in 'communication_data_type' (default: the fp32 accumulation dtype), with or "
+        "without sequence parallelism"),
+    Row("fp16.fp16_master_weights_and_grads", _enabled, "fp16.fp16_master_weights_and_grads",
+        "fp32 master weights are kept: more memory, the exact fp32 step"),
+    Row("bf16.bf16_master_weights_and_grads", _enabled, "bf16.bf16_master_weights_and_grads",
+        "fp32 master weights are kept: more memory, the exact fp32 step"),
+    Row("bf16.bf16_optimizer_states", _enabled, "bf16.bf16_optimizer_states",
+        "the optimizer state stays fp32: more memory, the exact fp32 step"),
+    Row("bfloat16.bf16_master_weights_and_grads", _enabled, "bfloat16.bf16_master_weights_and_grads",
+        "fp32 master weights are kept: more memory, the exact fp32 step"),
+    Row("bfloat16.bf16_optimizer_states", _enabled, "bfloat16.bf16_optimizer_states",
+        "the optimizer state stays fp32: more memory, the exact fp32 step"),
+)
+
+
+def _value_at(param_dict, path):
+    """``(True, value)`` at dotted ``path`` of the config, ``(False, None)`` when absent."""
+    node = param_dict
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def refusal(param_dict, rows=NOT_BUILT) -> Optional[str]:
+    """The message of the first row of ``rows`` the config asks for, or None."""
+    for row in rows:
+        found, value = _value_at(param_dict, row.key)
+        if found and row.asks(value):
+            advice = f"; {row.instead}" if row.instead else ""
+            return (f"config key '{row.key}' ({value!r}) asks for {row.feature}, which is not built in this runtime"
+                    f"{advice}; {DOCS}")
+    return None
+
+
+def check_param_dtype(config) -> None:
+    """``data_types.param_dtype``, when given, must be the dtype the fp16/bf16 switches give the model (fp32 when
+    neither is on), as upstream asserts: every precision path here follows the switches."""
+    wanted = config.param_dtype
+    if wanted is None:
+        return
+    import torch
+    model = torch.float16 if config.fp16_enabled else torch.bfloat16 if config.bfloat16_enabled else torch.float32
+    if wanted != model:
+        raise DeepSpeedConfigError(f"config key 'data_types.param_dtype' ({wanted}) conflicts with the enabled "
+                                   f"precision (the model trains in {model}); set the matching fp16/bf16 'enabled' "
+                                   f"switch or leave data_types.param_dtype out")
+
+
+def audit_config(config) -> None:
+    """Raise ``NotImplementedError`` for a config that asks for a feature of :data:`NOT_BUILT`; warn once (on global
+    rank 0) for each key of :data:`NO_EFFECT` it sets. ``config`` is a ``DeepSpeedConfig`` being built."""
+    param_dict = config._param_dict
+    message = refusal(param_dict)
+    if message is not None:
+        raise NotImplementedError(message)
+    check_param_dtype(config)
+    if getattr(config, "global_rank", 0) != 0:
+        return
+    for row in NO_EFFECT:
+        found, value = _value_at(param_dict, row.key)
+        if found and row.asks(value):
+            logger.warning(f"config key '{row.key}' ({value!r}) has no effect in this runtime: {row.instead}")
