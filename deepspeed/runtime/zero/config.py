@@ -165,6 +165,12 @@ class DeepSpeedZeroConfig(ConfigSection):
                              DeepSpeedZeroOffloadParamConfig)
         if values.get("overlap_comm") is None:
             values["overlap_comm"] = stage == ZeroStageEnum.weights
+        if stage == ZeroStageEnum.weights and values.get("elastic_checkpoint"):
+            # upstream's words and logger: ZeRO-3 elastic checkpointing is gone there; here the key has no effect
+            from deepspeed.utils.logging import logger as ds_logger
+            ds_logger.warning(f"config key '{path}.elastic_checkpoint': ZeRO-3 elastic checkpointing is deprecated "
+                              "(upstream no longer supports it); it has no effect here, where load_checkpoint "
+                              "reshards any checkpoint onto another world size")
 
         offload_optimizer = values.get("offload_optimizer")
         if offload_optimizer is not None and stage != ZeroStageEnum.weights:

@@ -164,6 +164,15 @@ class DeepSpeedTensorOverride(Enum):
 DEFAULT_TENSOR_OVERRIDES = [DeepSpeedTensorOverride.dtype, DeepSpeedTensorOverride.device]
 
 
+class CUDAQuantizer:
+    """Upstream's ZeRO++ weight quantizer (``zero_quantized_weights``, qwZ): not built here; the name imports for code
+    that names it and constructing it raises."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("CUDAQuantizer: ZeRO++ quantized weight communication (zero_quantized_weights, "
+                                  "qwZ) is not built in this runtime; see docs/compatibility.md")
+
+
 class ZeroParamType(Enum):
     """How a parameter is held: whole on every rank, partitioned over the data-parallel ranks, or on one rank."""
     NORMAL = 1

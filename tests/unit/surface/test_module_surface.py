@@ -75,7 +75,7 @@ SURFACE = {
     "deepspeed.runtime.zero.partition_parameters": [
         "MultipleAllGatherHandles", "InsertPostInitMethodToModuleSubClasses", "partitioned_param_data_shape",
         "ZeroParamType", "DeepSpeedTensorOverride", "DEFAULT_TENSOR_OVERRIDES", "Init", "GatheredParameters",
-        "zero3_linear_wrap", "_contradicting_single_rank_pg_error"
+        "zero3_linear_wrap", "_contradicting_single_rank_pg_error", "CUDAQuantizer"
     ],
     # upstream's optional-kernel flags (never used here) and helpers its tests import
     "deepspeed.sequence.layer": ["apply_rotary_pos_emb", "_rotate_half", "_torchembed_available"],

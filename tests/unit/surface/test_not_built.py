@@ -30,6 +30,7 @@ NOT_BUILT = [
     ("deepspeed.runtime.zero.offload_states", "get_state_devices", lambda f: f(None, "optim_states"),
      "offload_states"),
     ("deepspeed.runtime.comm.coalesced_collectives", "all_to_all_quant_reduce", lambda f: f([], {}), "qgZ"),
+    ("deepspeed.runtime.zero.partition_parameters", "CUDAQuantizer", lambda c: c(), "qwZ"),
     ("deepspeed.runtime.checkpoint_engine", "FastCheckpointEngine", lambda c: c(None, None, False), "fast"),
     ("deepspeed.runtime.checkpoint_engine", "DecoupledCheckpointEngine", lambda c: c(None, None, False), "decoupled"),
     ("deepspeed.runtime.checkpoint_engine", "DataStatesCheckpointEngine", lambda c: c(), "DataStates"),

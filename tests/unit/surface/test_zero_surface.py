@@ -266,6 +266,18 @@ def returned_class_worker(stage, dtype, optimizer_type, accum):
     x = torch.randn(1, 4)
     engine.backward(engine(x.to(engine.module[0].weight.dtype)).float().sum())
     engine.step()
+    # upstream's names for the fp32 master partitions: on one rank, the group's values after the step
+    view = {
+        "DeepSpeedZeroOptimizer": "single_partition_of_fp32_groups",
+        "DeepSpeedZeroOptimizer_Stage3": "fp32_partitioned_groups_flat"
+    }.get(name)
+    if view is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+        parts = getattr(optimizer, view)
+        full = torch.cat([safe_get_full_fp32_param(p).flatten() for p in engine.module.parameters()])
+        padded = torch.cat([full, full.new_zeros(parts[0].numel() - full.numel())])  # the layout's order and padding
+        assert len(parts) == 1 and parts[0].dtype == torch.float32
+        assert torch.equal(parts[0].detach().sort().values, padded.sort().values)
     engine.destroy()
     return name
 
