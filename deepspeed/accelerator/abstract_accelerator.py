@@ -213,6 +213,11 @@ class DeepSpeedAccelerator(abc.ABC):
     def is_pinned(self, tensor):
         ...
 
+    def unpin_memory(self, tensor):
+        """Release a tensor's pinning early. Memory pinned through torch is released with the tensor, so this does
+        nothing and returns None (upstream's answer for its torch backend; its native allocator answers True)."""
+        return None
+
     # ---- data types ------------------------------------------------------------------------------
 
     @abc.abstractmethod

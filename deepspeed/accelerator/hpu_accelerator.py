@@ -4,4 +4,4 @@
 from .abstract_accelerator import DeepSpeedAccelerator  # noqa: F401
 from .other_accelerators import not_built_accelerator
 
-HPU_Accelerator = not_built_accelerator("HPU_Accelerator", "Intel Gaudi (HPU)", __name__)
+HPU_Accelerator = not_built_accelerator("HPU_Accelerator", "Intel Gaudi (HPU)", __name__, "hpu", "hccl")

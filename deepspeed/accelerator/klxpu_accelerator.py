@@ -4,4 +4,4 @@
 from .abstract_accelerator import DeepSpeedAccelerator  # noqa: F401
 from .other_accelerators import not_built_accelerator
 
-KLXPU_Accelerator = not_built_accelerator("KLXPU_Accelerator", "Kunlunxin XPU", __name__)
+KLXPU_Accelerator = not_built_accelerator("KLXPU_Accelerator", "Kunlunxin XPU", __name__, "klxpu", "nccl")

@@ -4,4 +4,4 @@
 from .abstract_accelerator import DeepSpeedAccelerator  # noqa: F401
 from .other_accelerators import not_built_accelerator
 
-MLU_Accelerator = not_built_accelerator("MLU_Accelerator", "Cambricon MLU", __name__)
+MLU_Accelerator = not_built_accelerator("MLU_Accelerator", "Cambricon MLU", __name__, "mlu", "cncl")

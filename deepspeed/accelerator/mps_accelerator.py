@@ -4,4 +4,4 @@
 from .abstract_accelerator import DeepSpeedAccelerator  # noqa: F401
 from .other_accelerators import not_built_accelerator
 
-MPS_Accelerator = not_built_accelerator("MPS_Accelerator", "Apple MPS", __name__)
+MPS_Accelerator = not_built_accelerator("MPS_Accelerator", "Apple MPS", __name__, "mps", "gloo")

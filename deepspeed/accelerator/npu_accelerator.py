@@ -4,4 +4,4 @@
 from .abstract_accelerator import DeepSpeedAccelerator  # noqa: F401
 from .other_accelerators import not_built_accelerator
 
-NPU_Accelerator = not_built_accelerator("NPU_Accelerator", "Huawei Ascend (NPU)", __name__)
+NPU_Accelerator = not_built_accelerator("NPU_Accelerator", "Huawei Ascend (NPU)", __name__, "npu", "hccl")

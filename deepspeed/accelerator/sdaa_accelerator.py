@@ -4,4 +4,4 @@
 from .abstract_accelerator import DeepSpeedAccelerator  # noqa: F401
 from .other_accelerators import not_built_accelerator
 
-SDAA_Accelerator = not_built_accelerator("SDAA_Accelerator", "Tecorigin SDAA", __name__)
+SDAA_Accelerator = not_built_accelerator("SDAA_Accelerator", "Tecorigin SDAA", __name__, "sdaa", "tccl")

@@ -4,4 +4,4 @@
 from .abstract_accelerator import DeepSpeedAccelerator  # noqa: F401
 from .other_accelerators import not_built_accelerator
 
-SUPA_Accelerator = not_built_accelerator("SUPA_Accelerator", "Biren SUPA", __name__)
+SUPA_Accelerator = not_built_accelerator("SUPA_Accelerator", "Biren SUPA", __name__, "supa", "bccl")

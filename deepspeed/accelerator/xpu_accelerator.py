@@ -4,4 +4,4 @@
 from .abstract_accelerator import DeepSpeedAccelerator  # noqa: F401
 from .other_accelerators import not_built_accelerator
 
-XPU_Accelerator = not_built_accelerator("XPU_Accelerator", "Intel XPU", __name__)
+XPU_Accelerator = not_built_accelerator("XPU_Accelerator", "Intel XPU", __name__, "xpu", "xccl")

@@ -72,8 +72,8 @@ class IMPIRunner(MPICHRunner):
 class MVAPICHRunner(_MPIRunner):
     launcher_name = MVAPICH_LAUNCHER
 
-    def __init__(self, args, world_info_base64: str = ""):
-        super().__init__(args, world_info_base64)
+    def __init__(self, args, world_info_base64: str = "", resource_pool=None):
+        super().__init__(args, world_info_base64, resource_pool)
         # Upstream's MVAPICH settings: no CMA (missing on Ubuntu), backtraces, deep-learning support, no affinity.
         for key, value in (("MV2_SMP_USE_CMA", "0"), ("MV2_DEBUG_SHOW_BACKTRACE", "1"), ("MV2_SUPPORT_DL", "1"),
                            ("MV2_ENABLE_AFFINITY", "0"), ("MV2_INTER_ALLGATHER_TUNING", "5"), ("MV2_CUDA_USE_NAIVE",

@@ -56,9 +56,11 @@ class MultiNodeRunner(ABC):
     #: Whether the launcher reaches the nodes over ssh (the pre-flight check applies).
     uses_ssh = False
 
-    def __init__(self, args, world_info_base64: str = ""):
+    def __init__(self, args, world_info_base64: str = "", resource_pool=None):
         self.args = args
         self.world_info_base64 = world_info_base64
+        #: Upstream's third argument ({host: slots}); ``get_cmd`` is given the hosts it starts.
+        self.resource_pool = resource_pool
         self.exports: "OrderedDict[str, str]" = OrderedDict()
         self.validate_args()
 
@@ -73,13 +75,15 @@ class MultiNodeRunner(ABC):
     def backend_exists(self) -> bool:
         """Whether the program this launcher runs is on PATH."""
 
-    @abstractmethod
     def transports(self, plan: JobPlan, options: AgentOptions, environment: Mapping[str, str]) -> List[Transport]:
         """The processes to start so that every node of ``plan`` runs its agent; ``environment`` is the launching
-        process's, the base of each transport's."""
+        process's, the base of each transport's. Every launcher here implements it; a subclass written against
+        upstream's interface (``backend_exists`` and ``get_cmd`` only) constructs, and cannot be launched."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how to start the node agents: implement "
+                                  "transports(plan, options, environment)")
 
     def validate_args(self) -> None:
-        if self.args.ssh_port is not None and not self.uses_ssh:
+        if getattr(self.args, "ssh_port", None) is not None and not self.uses_ssh:
             raise ValueError(f"--ssh_port applies to the ssh and pdsh launchers; the {self.name} launcher starts "
                              "nodes its own way (give its options in --launcher_args)")
 
@@ -88,6 +92,26 @@ class MultiNodeRunner(ABC):
 
     def prepare(self, plan: JobPlan) -> None:
         """Write what the launcher needs on disk before it starts (nothing by default)."""
+
+    def get_cmd(self, environment: Mapping[str, str], active_resources: Mapping[str, object]):
+        """Upstream's entry point: what starts a node agent on every host of ``active_resources`` (``{host: slot
+        ids}`` or ``{host: slot count}``), with ``environment`` as its base. As upstream's runners: ``pdsh`` gives
+        ``(argv, kill_argv, env)``, the others the argv (a list of them where each node has its own process,
+        ``ssh``). Nothing is started; ``prepare`` runs (MVAPICH's hostfile is written, as upstream's does)."""
+        argvs = [t.argv for t in self.planned_transports(environment, active_resources)]
+        return argvs[0] if len(argvs) == 1 else argvs
+
+    def planned_transports(self, environment, active_resources) -> List[Transport]:
+        """``transports`` for a plan of ``active_resources`` on this runner's arguments (``get_cmd``)."""
+        hosts = OrderedDict((str(host), list(range(slots)) if isinstance(slots, int) else [int(s) for s in slots])
+                            for host, slots in active_resources.items())
+        plan = JobPlan(hosts=hosts,
+                       master_addr=self.args.master_addr or next(iter(hosts)),
+                       master_port=self.args.master_port,
+                       fan_out=True,
+                       node_rank=0)
+        self.prepare(plan)
+        return self.transports(plan, AgentOptions(launch_dir=os.path.abspath(".")), dict(environment))
 
     def launcher_args(self) -> List[str]:
         return shlex.split(self.args.launcher_args)

@@ -6,6 +6,7 @@ makes its exit status the largest of the nodes'. ``--ssh_port`` goes to ssh thro
 ``--launcher_args`` to pdsh.
 """
 
+import shlex
 from typing import List, Mapping
 
 from deepspeed.launcher.constants import PDSH_LAUNCHER, PDSH_MAX_FAN_OUT
@@ -28,3 +29,12 @@ class PDSHRunner(MultiNodeRunner):
         argv = ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(plan.hosts)] + self.launcher_args()
         argv.append(self.remote_shell_command(plan, options, "%n"))
         return [Transport("pdsh", argv, env)]
+
+    def get_cmd(self, environment, active_resources):
+        """``(argv, kill_argv, env)`` as upstream's: ``kill_argv`` ends this job's agents on every host (they are
+        found by the job's world info, which no other job shares)."""
+        transport, = self.planned_transports(environment, active_resources)
+        world_info = next(word for word in shlex.split(transport.argv[-1]) if word.startswith("--world_info="))
+        kill = ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(map(str, active_resources))]
+        kill.append(f"pkill -f -- {shlex.quote(world_info)}")
+        return transport.argv, kill, transport.env

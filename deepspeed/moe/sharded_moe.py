@@ -45,6 +45,9 @@ from torch import Tensor, nn
 import deepspeed.comm as dist
 from deepspeed.utils.logging import logger
 
+# Upstream's flag for its optional Tutel kernels; the layer never uses them (``use_tutel`` warns).
+TUTEL_INSTALLED = False
+
 TOPK_GATE_TIMER = "topk_gate"
 MOE_TIMER = "moe"
 FIRST_ALLTOALL_TIMER = "1st_a2a"
@@ -120,6 +123,15 @@ class Routes:
         tokens = torch.arange(self.experts.shape[0], device=self.experts.device).unsqueeze(1).expand_as(self.kept)
         keep = self.kept
         return tokens[keep], self.experts[keep] * self.capacity + self.locations[keep], self.weights[keep]
+
+    def sparse(self):
+        """Upstream's ``sparse_routes=True`` gating output: ``(l_aux, capacity, num_experts, indices, locations,
+        gates, exp_counts)`` with ``[k, S]`` route tensors: int32 expert (-1 where the route was dropped), int32
+        location (0 where dropped), float32 weight (0 where dropped)."""
+        indices = torch.where(self.kept, self.experts, torch.full_like(self.experts, -1))
+        locations = self.locations * self.kept
+        return (self.l_aux, self.capacity, self.num_experts, indices.t().to(torch.int32),
+                locations.t().to(torch.int32), self.weights.t().contiguous(), self.exp_counts)
 
     def dense(self):
         """``(combine_weights, dispatch_mask)``, both ``[S, E, C]`` (upstream's gating outputs)."""
@@ -247,10 +259,14 @@ def top1gating(logits: Tensor,
                drop_tokens: bool = True,
                use_rts: bool = True,
                ep_group=None,
+               sparse_routes: bool = False,
                use_tutel: bool = False):
-    """``(l_aux, combine_weights [S, E, C], dispatch_mask [S, E, C], exp_counts)`` of top-1 gating."""
+    """``(l_aux, combine_weights [S, E, C], dispatch_mask [S, E, C], exp_counts)`` of top-1 gating, or with
+    ``sparse_routes`` the routes themselves (:meth:`Routes.sparse`)."""
     r = route_top1(logits, capacity_factor, min_capacity, used_token, noisy_gate_policy, drop_tokens, use_rts,
                    ep_group)
+    if sparse_routes:
+        return r.sparse()
     combine, dispatch = r.dense()
     return r.l_aux, combine, dispatch, r.exp_counts
 
@@ -260,9 +276,12 @@ def top2gating(logits: Tensor,
                min_capacity: int,
                drop_tokens: bool = True,
                ep_group=None,
-               top2_2nd_expert_sampling: bool = True):
-    """``(l_aux, combine_weights, dispatch_mask, exp_counts)`` of top-2 gating."""
+               top2_2nd_expert_sampling: bool = True,
+               sparse_routes: bool = False):
+    """``(l_aux, combine_weights, dispatch_mask, exp_counts)`` of top-2 gating (``sparse_routes``: the routes)."""
     r = route_top2(logits, capacity_factor, min_capacity, drop_tokens, ep_group, top2_2nd_expert_sampling)
+    if sparse_routes:
+        return r.sparse()
     combine, dispatch = r.dense()
     return r.l_aux, combine, dispatch, r.exp_counts
 
@@ -273,11 +292,41 @@ def topkgating(logits: Tensor,
                min_capacity: int,
                drop_tokens: bool = True,
                ep_group=None,
-               drop_policy: str = "probs"):
-    """``(l_aux, combine_weights, dispatch_mask, exp_counts)`` of top-k gating."""
+               drop_policy: str = "probs",
+               sparse_routes: bool = False):
+    """``(l_aux, combine_weights, dispatch_mask, exp_counts)`` of top-k gating (``sparse_routes``: the routes)."""
     r = route_topk(logits, k, capacity_factor, min_capacity, drop_tokens, ep_group, drop_policy)
+    if sparse_routes:
+        return r.sparse()
     combine, dispatch = r.dense()
     return r.l_aux, combine, dispatch, r.exp_counts
+
+
+# Upstream's dispatch helpers over the sparse routes ([k, S] tensors of Routes.sparse()). A dropped route goes to
+# one extra scratch slot ``E * C``, which the dispatch never reads.
+
+
+def _route_slots(indices: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """``[k, S]`` int64 slot ``expert * C + location`` of every route; ``E * C`` (the scratch slot) if dropped."""
+    slots = indices.long() * capacity + locations.long()
+    return torch.where(indices >= 0, slots, torch.full_like(slots, num_experts * capacity))
+
+
+def _sparse_encode(tokens: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """The ``[E, C, d_model]`` dispatch buffer: each kept route's token in its slot, zeros elsewhere."""
+    k = slots.shape[0]
+    buffer = tokens.new_zeros(num_experts * capacity + 1, tokens.shape[-1])
+    buffer = buffer.index_put((slots.reshape(-1), ), tokens.repeat(k, 1))
+    return buffer[:-1].view(num_experts, capacity, tokens.shape[-1])
+
+
+def _sparse_decode(expert_output: Tensor, slots: Tensor, gates: Tensor, num_tokens: int) -> Tensor:
+    """``[S, d_model]``: each token's sum over its routes of ``gate * output[slot]`` (dropped routes add nothing),
+    accumulated in float32 at least and returned in the experts' dtype."""
+    padded = torch.cat([expert_output, expert_output.new_zeros(1, expert_output.shape[-1])])
+    routed = padded.index_select(0, slots.reshape(-1)).view(slots.shape[0], num_tokens, -1)
+    acc = torch.promote_types(expert_output.dtype, torch.float32)
+    return (routed.to(acc) * gates.to(acc).unsqueeze(-1)).sum(0).to(expert_output.dtype)
 
 
 class TopKGate(nn.Module):
@@ -332,9 +381,12 @@ class TopKGate(nn.Module):
                               self.top2_2nd_expert_sampling and self.training)
         return route_topk(logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep_group)
 
-    def forward(self, input: Tensor, used_token: Tensor = None, use_tutel: bool = False):
-        """``(l_aux, combine_weights, dispatch_mask, exp_counts)``, as upstream's gate returns them."""
+    def forward(self, input: Tensor, used_token: Tensor = None, sparse_routes: bool = False, use_tutel: bool = False):
+        """``(l_aux, combine_weights, dispatch_mask, exp_counts)``, as upstream's gate returns them (with
+        ``sparse_routes``: :meth:`Routes.sparse`)."""
         r = self.routes(input, used_token)
+        if sparse_routes:
+            return r.sparse()
         combine, dispatch = r.dense()
         return r.l_aux, combine.to(input.dtype), dispatch, r.exp_counts
 

@@ -19,7 +19,7 @@ the feature, and what to do instead. When a feature is built, its row goes (and 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .config_utils import DeepSpeedConfigError, logger
+from .config_utils import logger
 
 DOCS = "see docs/compatibility.md"
 
@@ -145,16 +145,11 @@ def refusal(param_dict, rows=NOT_BUILT) -> Optional[str]:
 
 def check_param_dtype(config) -> None:
     """``data_types.param_dtype``, when given, must be the dtype the fp16/bf16 switches give the model (fp32 when
-    neither is on), as upstream asserts: every precision path here follows the switches."""
-    wanted = config.param_dtype
-    if wanted is None:
-        return
-    import torch
-    model = torch.float16 if config.fp16_enabled else torch.bfloat16 if config.bfloat16_enabled else torch.float32
-    if wanted != model:
-        raise DeepSpeedConfigError(f"config key 'data_types.param_dtype' ({wanted}) conflicts with the enabled "
-                                   f"precision (the model trains in {model}); set the matching fp16/bf16 'enabled' "
-                                   f"switch or leave data_types.param_dtype out")
+    neither is on), as upstream asserts: every precision path here follows the switches. One rule with the engine's
+    ``_assert_valid_mixed_precision_config`` (``precision/module_cast.py``): the error is a ``DeepSpeedConfigError``
+    and an ``AssertionError``."""
+    from deepspeed.runtime.precision.module_cast import check_param_dtype as check
+    check(config.param_dtype, config.fp16_enabled, config.bfloat16_enabled)
 
 
 def audit_config(config) -> None:

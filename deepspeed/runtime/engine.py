@@ -25,12 +25,12 @@ from deepspeed.runtime.accumulation import AccumulationWindow
 from deepspeed.runtime.audit import AuditSchedule, auditing
 from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
-from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config import DeepSpeedConfig, get_log_level
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.instrumentation import EngineInstrumentation
 from deepspeed.runtime.optimizer_factory import build_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
-from deepspeed.runtime.precision.module_cast import cast_for_precision
+from deepspeed.runtime.precision import module_cast
 from deepspeed.runtime.precision.overflow import report_skipped_step
 from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
 from deepspeed.runtime.tensor_parallel.training import TensorParallelTraining
@@ -172,12 +172,27 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self._dtype = torch.float16
         else:
             self._dtype = torch.float32
+        self._assert_valid_mixed_precision_config()
         apply_zero_leaf_module_config(model, cfg.zero_config.leaf_module)
         if not dont_change_device:
             model.to(self.device)
         if self._dtype != torch.float32:  # fp32 training casts nothing, buffer_dtype included (as upstream)
-            cast_for_precision(model, self._dtype, cfg.buffer_dtype)
+            self._cast_module_mixed_precision(*self._mixed_precision_dtypes(), is_zero_init_model=False)
         self._broadcast_model()
+
+    # Upstream's names for the precision cast (runtime/precision/module_cast.py); tests call them on stand-ins.
+    def _mixed_precision_dtypes(self):
+        return module_cast.mixed_precision_dtypes(self.fp16_enabled(), self.bfloat16_enabled(),
+                                                  self._config.buffer_dtype)
+
+    def _assert_valid_mixed_precision_config(self):
+        module_cast.check_param_dtype(self._config.param_dtype, self.fp16_enabled(), self.bfloat16_enabled())
+
+    def _cast_module_mixed_precision(self, param_dtype, buffer_dtype, is_zero_init_model, keep_pattern=None):
+        """Cast the module's parameters (unless ``zero.Init`` already chose their dtype) and, when
+        ``buffer_dtype`` is set, its buffers; buffers matching ``keep_pattern`` stay fp32."""
+        module_cast.cast_for_precision(self.module, None if is_zero_init_model else param_dtype, buffer_dtype,
+                                       keep_pattern)
 
     def _broadcast_model(self):
         """Start every rank from the same parameters and buffers (experts: their expert-data-parallel peers')."""
@@ -340,6 +355,16 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def tensor_parallel_config(self):
         return self._config.tensor_parallel_config
 
+    def empty_partition_cache(self):
+        """Free the gathered copies of ZeRO-3 parameters nothing is using, and the allocator's cache (upstream's)."""
+        if self._stage is not None:
+            self._stage.empty_partition_cache()
+        get_accelerator().empty_cache()
+
+    def log_level(self):
+        """The config's ``log_level`` as written (None when the config leaves the DeepSpeed logger as it is)."""
+        return get_log_level(self._config._param_dict)
+
     def zero_gather_16bit_weights_on_model_save(self):
         return bool(self._config.zero_config.stage3_gather_16bit_weights_on_model_save)
 
@@ -370,8 +395,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def no_sync(self):
         """Accumulate gradients locally, without communication, inside the context."""
         if self.zero_optimization_stage() >= 2:
-            raise EngineUsageError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
-                                   f"gradients are partitioned during every backward")
+            raise EngineUsageError(f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
+                                   f"stage {self.zero_optimization_stage()}: gradients are partitioned during every "
+                                   "backward")
         if self.window.deferred():  # inside no_sync() or coalesce_grad_reduction() already
             raise EngineUsageError("no_sync context manager reentry is unsupported (no_sync() inside no_sync() or "
                                    "coalesce_grad_reduction())")

@@ -18,9 +18,11 @@ stage 0, fp16 or bf16, another optimizer           ``fp16.unfused_optimizer.FP16
 stage 0, fp32                                      ``EngineOptimizer`` (upstream returns the bare torch optimizer)
 ================================================  ==========================================
 
-They add no behaviour and no state. Upstream constructs them itself inside ``initialize``, with internal
-arguments (the inner optimizer, timers, the loss-scaler config, ...); constructing one directly is not built
-here and raises ``NotImplementedError``: ``deepspeed.initialize`` is the way to get one.
+They add no behaviour and no state; the ZeRO classes give upstream's name for a view of the rank's fp32 master
+partitions (one flat tensor per parameter group, the tensors the inner optimizer steps and a checkpoint saves).
+Upstream constructs them itself inside ``initialize``, with internal arguments (the inner optimizer, timers, the
+loss-scaler config, ...); constructing one directly is not built here and raises ``NotImplementedError``:
+``deepspeed.initialize`` is the way to get one.
 """
 
 import torch
@@ -44,12 +46,28 @@ class _ReturnedOptimizer(EngineOptimizer):
         return optimizer
 
 
+def _fp32_partitions(optimizer):
+    """This rank's fp32 master partitions, one flat tensor per parameter group, after any step still updating them."""
+    optimizer.stage._masters_current()
+    return list(optimizer.stage.masters)
+
+
 class DeepSpeedZeroOptimizer(_ReturnedOptimizer):
     """The optimizer of ZeRO stages 1 and 2."""
+
+    @property
+    def single_partition_of_fp32_groups(self):
+        """Upstream's name: this rank's fp32 master partition of each parameter group (live tensors)."""
+        return _fp32_partitions(self)
 
 
 class DeepSpeedZeroOptimizer_Stage3(_ReturnedOptimizer):
     """The optimizer of ZeRO stage 3."""
+
+    @property
+    def fp32_partitioned_groups_flat(self):
+        """Upstream's name: this rank's fp32 master partition of each parameter group (live tensors)."""
+        return _fp32_partitions(self)
 
 
 class BF16_Optimizer(_ReturnedOptimizer):

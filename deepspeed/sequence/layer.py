@@ -92,6 +92,11 @@ class _SeqAllToAll(torch.autograd.Function):
         return (None, grad, None, None, None, None, None, None, None, None)
 
 
+# Upstream's flag for its optional fused rotary kernel (the ``torchembed`` package); the torch expression below is
+# the only path here.
+_torchembed_available = False
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)

@@ -63,11 +63,15 @@ def calc_bw_log(comm_op, size, duration, world_size=None):
 
 
 def trim_mean(values, fraction=0.1):
-    """Mean of ``values`` without the lowest and highest ``fraction`` of them (all of them when few)."""
+    """Mean of ``values`` without the lowest and highest ``round(n * fraction)`` of them (upstream's count; all of
+    them when that would leave none); 0 for no values. ``values`` is not modified (``deepspeed.utils.timer``
+    exports it under upstream's name)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"trim_mean: the fraction to trim must be in [0, 1], got {fraction}")
     if not values:
         return 0.0
     ordered = sorted(values)
-    cut = int(len(ordered) * fraction)
+    cut = int(round(len(ordered) * fraction))
     kept = ordered[cut:len(ordered) - cut] or ordered
     return sum(kept) / len(kept)
 

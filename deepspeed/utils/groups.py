@@ -198,8 +198,7 @@ class MeshDescription:
             if ep < 1 or spdp % ep != 0:
                 raise MeshError(f"expert-parallel size ep_size={ep} must divide the number of ranks that see "
                                 f"different tokens ({spdp} = world {world_size} / model parallel {mp})")
-            ep_table = tuple(ranks[i:i + ep] for ranks in tables[3] for i in range(0, spdp, ep))
-            edp_table = tuple(ranks[j::ep] for ranks in tables[3] for j in range(ep))
+            ep_table, edp_table = _expert_tables(tables[3], ep)
             experts[expert_group_name(ep)] = (tuple(sorted(ep_table)), tuple(sorted(edp_table)))
         return cls(world_size=world_size,
                    model_parallel_size=mp,
@@ -272,6 +271,16 @@ class MeshDescription:
             self.world_size, self.model_parallel_size, self.sequence_parallel_size,
             list(self.expert_parallel_sizes), self.pipe_parallel_size
         ]
+
+
+def _expert_tables(sequence_data_parallel_table, ep):
+    """``(expert-parallel, expert-data-parallel)`` tables of size-``ep`` expert groups, in construction order: each
+    group of ranks that see different tokens is cut into consecutive expert-parallel groups of ``ep``; the ranks at
+    one position of those form an expert-data-parallel group."""
+    ep_table = tuple(
+        tuple(ranks[i:i + ep]) for ranks in sequence_data_parallel_table for i in range(0, len(ranks), ep))
+    edp_table = tuple(tuple(ranks[j::ep]) for ranks in sequence_data_parallel_table for j in range(ep))
+    return ep_table, edp_table
 
 
 def _row_of(table, rank):
@@ -612,6 +621,31 @@ def _create_expert_and_data_parallel(expert_parallel_size_,
     description = mesh.description.with_expert_sizes([expert_parallel_size_])
     given = {k: mesh.groups[k] for k, _ in mesh.description.tables() if k in mesh.groups}
     return build_mesh(description, given)
+
+
+def _get_expert_parallel_ranks(world_size,
+                               tensor_parallel_size_,
+                               expert_parallel_size_,
+                               pipeline_parallel_size_=1,
+                               use_data_before_expert_parallel_=False):
+    """Upstream's pure helper: ``(expert_parallel_groups, expert_data_parallel_groups)``, lists of global ranks in
+    upstream's order, for the standard layout (pipeline stages of ``world_size / pp`` consecutive ranks, tensor
+    parallelism innermost). The same tables the mesh builds; :class:`MeshError` if the sizes do not fit."""
+    if use_data_before_expert_parallel_:
+        raise NotImplementedError("use_data_before_expert_parallelism (data before expert parallelism) is not "
+                                  "supported; see docs/compatibility.md")
+    pp, tp, ep = int(pipeline_parallel_size_), int(tensor_parallel_size_), int(expert_parallel_size_)
+    _ensure_divisibility(world_size, tp * pp)
+    _ensure_divisibility(world_size // (tp * pp), ep)
+    stage = world_size // pp
+    spdp = MeshDescription.standard(stage, model_parallel_size=tp).sequence_data_parallel_ranks
+    ep_groups, edp_groups = [], []
+    for offset in range(0, world_size, stage):
+        shifted = [[offset + r for r in ranks] for ranks in spdp]
+        ep_table, edp_table = _expert_tables(shifted, ep)
+        ep_groups += [list(g) for g in ep_table]
+        edp_groups += [list(g) for g in edp_table]
+    return ep_groups, edp_groups
 
 
 # ------------------------------------------------------------------ accessors (upstream's names)

@@ -11,6 +11,7 @@ milliseconds.
 import time
 
 from deepspeed.accelerator import get_accelerator
+from deepspeed.utils.comms_logging import trim_mean  # noqa: F401  (upstream's home of the name)
 from deepspeed.utils.logging import log_dist, logger
 
 FORWARD_MICRO_TIMER = "fwd_microstep"

@@ -184,3 +184,29 @@ def test_cuda_accelerator_names_without_touching_the_device():
     assert env == {"CUDA_VISIBLE_DEVICES": "0,2"}
     assert not cuda.on_accelerator(torch.zeros(1))
     assert cuda.is_bf16_supported() == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+OTHER_ACCELERATORS = [("hpu", "HPU_Accelerator", "hccl"), ("npu", "NPU_Accelerator", "hccl"),
+                      ("mps", "MPS_Accelerator", "gloo"), ("xpu", "XPU_Accelerator", "xccl"),
+                      ("mlu", "MLU_Accelerator", "cncl"), ("sdaa", "SDAA_Accelerator", "tccl"),
+                      ("supa", "SUPA_Accelerator", "bccl"), ("klxpu", "KLXPU_Accelerator", "nccl")]
+
+
+@pytest.mark.parametrize("name,class_name,backend", OTHER_ACCELERATORS)
+def test_other_accelerators_construct_and_are_never_available(name, class_name, backend):
+    """As upstream's on a machine without the device: the class constructs and says it is not there; using the
+    device raises NotImplementedError naming it."""
+    import importlib
+    cls = getattr(importlib.import_module(f"deepspeed.accelerator.{name}_accelerator"), class_name)
+    accel = cls()
+    assert isinstance(accel, DeepSpeedAccelerator) and not accel.is_available() and accel.device_count() == 0
+    assert (accel.device_name(), accel.device_name(1), accel._name) == (name, f"{name}:1", name)
+    assert accel.communication_backend_name() == backend
+    for use in (accel.synchronize, accel.current_device, lambda: accel.pin_memory(torch.ones(1))):
+        with pytest.raises(NotImplementedError, match=class_name):
+            use()
+
+
+def test_unpin_memory_of_torch_pinned_memory_is_a_no_op(cpu):
+    pinned = cpu.pin_memory(torch.ones(4))
+    assert cpu.unpin_memory(pinned) is None and torch.equal(pinned, torch.ones(4))

@@ -18,8 +18,8 @@ from .torch_ops import FusedAdamBuilder, TorchImplementedOpBuilder  # noqa: F401
 from .unsupported import (  # noqa: F401
     CPUAdagradBuilder, CPULionBuilder, DeepCompileBuilder, EvoformerAttnBuilder, FPQuantizerBuilder, FusedLambBuilder,
     FusedLionBuilder, GDSBuilder, InferenceBuilder, InferenceCoreBuilder, InferenceCutlassBuilder,
-    NotImplementedBuilder, QuantizerBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, RandomLTDBuilder, SparseAttnBuilder,
-    SpatialInferenceBuilder, StochasticTransformerBuilder, TransformerBuilder)
+    NotImplementedBuilder, PinMemoryBuilder, QuantizerBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, RandomLTDBuilder,
+    SparseAttnBuilder, SpatialInferenceBuilder, StochasticTransformerBuilder, TransformerBuilder)
 
 # Upstream's accelerators look for this marker to tell its op builders from a third party's.
 __deepspeed__ = True

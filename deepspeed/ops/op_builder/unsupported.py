@@ -124,6 +124,13 @@ class DeepCompileBuilder(UnsupportedOpBuilder):
     REASON = "DeepCompile is not supported; use torch.compile on the model"
 
 
+class PinMemoryBuilder(UnsupportedOpBuilder):
+    NAME = "pin_memory"
+    BUILD_VAR = "DS_BUILD_PIN_MEMORY"
+    REASON = ("the native page-locked allocator (DS_PIN_MEMORY_BACKEND=native) is not built; memory is pinned "
+              "through torch")
+
+
 class NotImplementedBuilder(UnsupportedOpBuilder):
     NAME = "deepspeed_not_implemented"
     BUILD_VAR = "DS_BUILD_NOT_IMPLEMENTED"
@@ -134,5 +141,6 @@ UNSUPPORTED_BUILDERS = [
     GDSBuilder, FusedLambBuilder, FusedLionBuilder, CPUAdagradBuilder, CPULionBuilder, EvoformerAttnBuilder,
     FPQuantizerBuilder, QuantizerBuilder, RandomLTDBuilder, SparseAttnBuilder, TransformerBuilder,
     StochasticTransformerBuilder, InferenceBuilder, SpatialInferenceBuilder, InferenceCoreBuilder,
-    InferenceCutlassBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, DeepCompileBuilder, NotImplementedBuilder
+    InferenceCutlassBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, DeepCompileBuilder, PinMemoryBuilder,
+    NotImplementedBuilder
 ]

@@ -37,6 +37,10 @@ class CheckpointEngineMixin:
                            save_latest=save_latest,
                            exclude_frozen_parameters=exclude_frozen_parameters)
 
+    def _change_recovery_script_permissions(self, dst):
+        """Make the copied recovery script ``dst`` executable (upstream's name; failures are logged, not raised)."""
+        saving.make_executable(dst)
+
     def load_checkpoint(self,
                         load_dir,
                         tag=None,

@@ -26,6 +26,7 @@ two saves, thanks to the save id).
 """
 
 import os
+import stat
 import uuid
 
 import deepspeed.comm as dist
@@ -162,9 +163,21 @@ def _write_upstream(native_root, save_dir, tag):
 
 
 def _copy_recovery_script(save_dir):
-    """Put ``zero_to_fp32.py`` next to the checkpoints, as upstream does (best effort)."""
+    """Put an executable ``zero_to_fp32.py`` next to the checkpoints, as upstream does (best effort)."""
+    destination = os.path.join(save_dir, paths.RECOVERY_SCRIPT)
     try:
         from deepspeed.utils import zero_to_fp32
-        atomic_copy(zero_to_fp32.__file__, os.path.join(save_dir, paths.RECOVERY_SCRIPT))
+        atomic_copy(zero_to_fp32.__file__, destination)
     except Exception as exc:  # the checkpoint itself is complete; the helper script is a convenience
         logger.warning(f"could not copy {paths.RECOVERY_SCRIPT} into {save_dir}: {exc}")
+        return
+    make_executable(destination)
+
+
+def make_executable(path):
+    """Add the owner's execute bit to ``path`` (``./zero_to_fp32.py``). A file system that refuses permissions (an
+    Azure file share) or a missing file is logged at info level and otherwise ignored, as upstream."""
+    try:
+        os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
+    except (FileNotFoundError, PermissionError) as exc:
+        logger.info(f"could not make {path} executable ({exc}); continuing without changing its permissions")

@@ -19,7 +19,7 @@ Rules resolved here, so consumers see final values:
 import dataclasses
 import enum
 import sys
-from typing import Optional, Tuple
+from typing import List, Optional
 
 from ..config_utils import (ConfigSection, DeepSpeedConfigError, boolean, config_field, integer, logger, mapping,
                             optional, section, size, string_list)
@@ -56,13 +56,14 @@ DEFAULT_LEAF_MODULE_CLASSES = (
 @dataclasses.dataclass(frozen=True)
 class DeepSpeedZeroLeafModuleConfig(ConfigSection):
     """Modules ZeRO-3 treats as one unit (gathered whole, no hooks inside), by class path, name or suffix."""
-    classes: Tuple[str, ...] = config_field(DEFAULT_LEAF_MODULE_CLASSES, parse=string_list())
-    names: Tuple[str, ...] = config_field((), parse=string_list())
-    name_suffixes: Tuple[str, ...] = config_field((), parse=string_list())
+    classes: List[str] = config_field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES), parse=string_list())
+    names: List[str] = config_field(default_factory=list, parse=string_list())
+    name_suffixes: List[str] = config_field(default_factory=list, parse=string_list())
 
     @classmethod
     def _finalize(cls, values, spelled, path):
-        return {key: tuple(dict.fromkeys(items)) for key, items in values.items()}
+        # lists without repeats, as upstream's section holds them (code compares them with lists)
+        return {key: list(dict.fromkeys(items)) for key, items in values.items()}
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -164,6 +165,12 @@ class DeepSpeedZeroConfig(ConfigSection):
                              DeepSpeedZeroOffloadParamConfig)
         if values.get("overlap_comm") is None:
             values["overlap_comm"] = stage == ZeroStageEnum.weights
+        if stage == ZeroStageEnum.weights and values.get("elastic_checkpoint"):
+            # upstream's words and logger: ZeRO-3 elastic checkpointing is gone there; here the key has no effect
+            from deepspeed.utils.logging import logger as ds_logger
+            ds_logger.warning(f"config key '{path}.elastic_checkpoint': ZeRO-3 elastic checkpointing is deprecated "
+                              "(upstream no longer supports it); it has no effect here, where load_checkpoint "
+                              "reshards any checkpoint onto another world size")
 
         offload_optimizer = values.get("offload_optimizer")
         if offload_optimizer is not None and stage != ZeroStageEnum.weights:

@@ -5,8 +5,8 @@
 ``y = x @ W.T + b`` with ``x`` of any rank ``>= 1``. The backward computes ``dx = dy @ W``,
 ``dW = dy.T @ x`` over all leading dimensions and ``db = sum(dy)``, under the autocast state the forward
 ran with (so an outer autocast region cannot change the backward's precision). The forward is
-``torch.nn.functional.linear``, so under ``torch.autocast`` the output has the autocast dtype, as a
-``torch.nn.Linear``'s has. Under this runtime's ZeRO-3
+``torch.nn.functional.linear``, so under ``torch.autocast`` the input, weight and bias are cast together and the
+output has the autocast dtype, as a ``torch.nn.Linear``'s has. Under this runtime's ZeRO-3
 a released parameter keeps its storage object (emptied, refilled by the next gather), so torch's own
 ``Linear`` is already safe there; this layer exists for code that names it.
 """
@@ -18,6 +18,8 @@ from torch.nn import Module, Parameter, init
 
 from deepspeed.accelerator import get_accelerator
 
+_torch_linear = torch.nn.functional.linear  # taken at import: code that patches F.linear cannot make this recurse
+
 
 def _device_type():
     name = get_accelerator().device_name()
@@ -25,22 +27,30 @@ def _device_type():
 
 
 class LinearFunctionForZeroStage3(torch.autograd.Function):
-    """See the module docstring."""
+    """See the module docstring. Written in the ``forward`` / ``setup_context`` form, so ``torch.func`` transforms
+    (``grad``, ``vmap``: the rule is generated) can run through it. ``ctx._fwd_used_autocast`` and ``ctx._dtype``
+    (upstream's names) hold the autocast state of the forward, which the backward runs under."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, input, weight, bias=None):
+    def forward(input, weight, bias=None):
+        # torch's own linear op: under autocast the input, weight and bias are cast together, as for nn.Linear
+        return _torch_linear(input, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight = inputs[0], inputs[1]
+        bias = inputs[2] if len(inputs) > 2 else None
         device_type = _device_type()
-        ctx.autocast_enabled = torch.is_autocast_enabled(device_type)
-        ctx.autocast_dtype = torch.get_autocast_dtype(device_type)
+        ctx._fwd_used_autocast = torch.is_autocast_enabled(device_type)
+        ctx._dtype = torch.get_autocast_dtype(device_type)
         ctx.save_for_backward(input, weight, bias)
-        # torch.nn.Linear's own op: under autocast the output (bias included) takes the autocast dtype, as
-        # upstream's does; a matmul plus a separate fp32 bias add would promote it back to fp32
-        return torch.nn.functional.linear(input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         input, weight, bias = ctx.saved_tensors
-        with torch.autocast(device_type=_device_type(), enabled=ctx.autocast_enabled, dtype=ctx.autocast_dtype):
+        with torch.autocast(device_type=_device_type(), enabled=ctx._fwd_used_autocast, dtype=ctx._dtype):
             grad_input = grad_weight = grad_bias = None
             if ctx.needs_input_grad[0]:
                 grad_input = grad_output.matmul(weight)

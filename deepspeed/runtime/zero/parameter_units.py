@@ -199,13 +199,20 @@ class UnitCoordinator:
         # pre-hook on the input's grad_fn (the node that takes that gradient) fires then, after every
         # module inside the leaf ran its backward, at the same point on every rank. The held bucket
         # completes there (``GradPipeline.release_hold``), so the unit is reduced and released.
+        #
+        # Only inputs computed by a node count. An autograd leaf input (a tensor created with
+        # requires_grad=True) has no node after the leaf's backward: its gradient goes to an
+        # AccumulateGrad node, which autograd may run before the leaf's parameters' own AccumulateGrad
+        # nodes, so a hook there could release the unit while a parameter gradient is still on its
+        # way (a zero-size parameter in its AccumulateGrad). A producer node runs only once every
+        # gradient its consumers computed is delivered; when no input has one, the session epilogue
+        # completes the unit, at one point on every rank as well.
         if not torch.is_grad_enabled():
             return None
-        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad and t.grad_fn is not None]
         if not inputs:
             return None  # nothing marks the end of its backward: the epilogue completes the unit
         remaining = {}  # graph task -> inputs whose gradient is not complete yet
-        on_tensors = []  # hooks on autograd leaf tensors outlive this graph: removed once they fired
         pipeline, index, count = self.pipeline, unit.index, len(inputs)
 
         def input_done(*_):
@@ -214,15 +221,10 @@ class UnitCoordinator:
             remaining[task] = left
             if left == 0:
                 pipeline.release_hold(index)
-                for handle in on_tensors:
-                    handle.remove()
             return None
 
         for tensor in inputs:
-            if tensor.grad_fn is not None:
-                tensor.grad_fn.register_prehook(input_done)
-            else:  # an autograd leaf tensor: its gradient is complete when its hook fires
-                on_tensors.append(tensor.register_hook(input_done))
+            tensor.grad_fn.register_prehook(input_done)
         return None
 
     def _post_forward(self, units, module, inputs, output):
@@ -307,6 +309,14 @@ class UnitCoordinator:
                 self._finish_gather(unit)
             if unit.state is UnitState.GATHERED:
                 self._release(unit)
+
+    def release_unused(self):
+        """Release every unit nothing holds (no forward reference, no backward hold, not persistent); a gather in
+        flight is completed first, so its collective is matched on every rank."""
+        for unit in self.units:
+            if unit.state is UnitState.GATHERING and not unit.persistent:
+                self._finish_gather(unit)
+            self._maybe_release(unit)
 
     def _maybe_release(self, unit):
         if unit.state is UnitState.GATHERED and unit.fwd_refs <= 0 and not unit.bwd_hold and not unit.persistent:

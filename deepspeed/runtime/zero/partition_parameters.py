@@ -16,6 +16,7 @@ releases them through module hooks (``stage3.py``).
 import contextlib
 import functools
 import itertools
+import os
 from enum import Enum
 
 import torch
@@ -95,7 +96,23 @@ def partition_param(param, world_size=None, rank=None, shard_device=None, dtype=
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
     param.ds_persist = False
     param.data = torch.empty(0, dtype=piece.dtype, device=piece.device)
+    # upstream's per-parameter call (the list is its argument, not the parameter); a module function, so a pickled
+    # parameter refers to it by name and not back to itself
+    param.all_gather_coalesced = all_gather_coalesced
     return param
+
+
+def all_gather_coalesced(params, safe_mode=False, quantize=False):
+    """Make every partitioned parameter of ``params`` whole (a collective: every rank passes the same parameters in
+    the same order); ``param.all_gather_coalesced(params)`` as upstream. The gather is complete on return; the
+    handle's ``wait()`` is there for upstream's callers. They stay whole until an engine releases them (its forward
+    gathers its own units whatever their state); ``GatheredParameters`` is the scoped form."""
+    params = [p for p in params if isinstance(p, torch.Tensor) and is_zero_param(p)]
+    _shards_current(params)
+    for param in params:
+        if param.ds_status != ZeroParamStatus.AVAILABLE:
+            gather_param(param)
+    return MultipleAllGatherHandles([])
 
 
 @torch.no_grad()
@@ -145,6 +162,15 @@ class DeepSpeedTensorOverride(Enum):
 
 
 DEFAULT_TENSOR_OVERRIDES = [DeepSpeedTensorOverride.dtype, DeepSpeedTensorOverride.device]
+
+
+class CUDAQuantizer:
+    """Upstream's ZeRO++ weight quantizer (``zero_quantized_weights``, qwZ): not built here; the name imports for code
+    that names it and constructing it raises."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("CUDAQuantizer: ZeRO++ quantized weight communication (zero_quantized_weights, "
+                                  "qwZ) is not built in this runtime; see docs/compatibility.md")
 
 
 class ZeroParamType(Enum):
@@ -247,15 +273,37 @@ class InsertPostInitMethodToModuleSubClasses:
         return False
 
 
+def _contradicting_single_rank_pg_error(dp_world_size, explicit_process_group, env=None):
+    """The message to raise when ``zero.Init`` would partition over one rank while the launcher started several
+    (``WORLD_SIZE`` > 1): a size-1 default group was set up before ``zero.Init`` ran, so every rank would hold the
+    whole model. None when the group really shards, when the caller passed a group of its own (a size-1 group is
+    then intentional), or when the environment names no multi-process world."""
+    if dp_world_size != 1 or explicit_process_group is not None:
+        return None
+    env = os.environ if env is None else env
+    try:
+        launched = int(env.get("WORLD_SIZE") or 0)
+    except (TypeError, ValueError):
+        return None
+    if launched <= 1:
+        return None
+    return (f"zero.Init found a process group of world_size=1 while the launcher reports WORLD_SIZE={launched}: a "
+            "single-rank group was set up before zero.Init ran (for example a from_pretrained before "
+            "deepspeed.init_distributed()), so the parameters would not be partitioned and every rank would hold "
+            "the whole model. Call deepspeed.init_distributed() before building the model under zero.Init, or pass "
+            "data_parallel_group explicitly if one rank is intended")
+
+
 class Init(InsertPostInitMethodToModuleSubClasses):
     """Partition parameters as modules are built, so a model larger than one device can be created.
 
     Every ``torch.nn.Module`` subclass's ``__init__`` is wrapped while the context is
     active: when a module's ``__init__`` returns, its own parameters are broadcast from
     rank 0 (ranks initialise with different RNG states) and partitioned. Children are
-    partitioned when their own ``__init__`` returns, so a parent's ``__init__`` must not
-    write into its children's parameters (use ``GatheredParameters`` for that).
-    ``enabled=False`` makes the context a no-op.
+    partitioned when their own ``__init__`` returns: a parent's ``__init__`` initialises its
+    children's weights through ``self.apply(fn)`` (each module gathered around ``fn``, rank 0's
+    result kept) or inside ``GatheredParameters``; a direct write into a child's parameter
+    sees the empty partitioned tensor. ``enabled=False`` makes the context a no-op.
     """
 
     def __init__(self,
@@ -276,6 +324,13 @@ class Init(InsertPostInitMethodToModuleSubClasses):
                  param_swapper=None):
         super().__init__(enabled=enabled, mem_efficient_linear=mem_efficient_linear, dtype=dtype)
         self.group = data_parallel_group
+        if enabled:
+            import deepspeed.comm as dist
+            if dist.is_initialized():
+                explicit = data_parallel_group if data_parallel_group is not None else sequence_data_parallel_group
+                error = _contradicting_single_rank_pg_error(dist.get_world_size(data_parallel_group), explicit)
+                if error is not None:
+                    raise RuntimeError(error)
         self.remote_device = remote_device
         self.pin_memory = pin_memory
         if module is not None and enabled:
@@ -305,6 +360,37 @@ class Init(InsertPostInitMethodToModuleSubClasses):
 
     def _post_init_method(self, module):
         self._partition_module(module)
+
+    # ``module.apply(fn)`` inside the context: a parent's ``__init__`` initialising its children's weights
+    # (``self.apply(self._init_weights)``, as HF models do) runs after the children were partitioned. Each module's
+    # own partitioned parameters are gathered around ``fn(module)`` and rank 0's result becomes every rank's shards,
+    # as ``GatheredParameters(modifier_rank=0)`` does: the same weights whichever rank's RNG ``fn`` drew from.
+    def __enter__(self):
+        result = super().__enter__()
+        if self.enabled:
+            self._orig_apply = torch.nn.Module.__dict__["apply"]
+            torch.nn.Module.apply = _apply_gathered
+        return result
+
+    def __exit__(self, *exc):
+        if self.enabled and getattr(self, "_orig_apply", None) is not None:
+            torch.nn.Module.apply = self._orig_apply
+            self._orig_apply = None
+        return super().__exit__(*exc)
+
+
+def _apply_gathered(module, fn):
+    """``torch.nn.Module.apply`` (children first, then the module) with each module's partitioned parameters whole
+    while ``fn`` sees it (see ``Init``)."""
+    for child in module.children():
+        _apply_gathered(child, fn)
+    own = [p for p in module.parameters(recurse=False) if is_zero_param(p)]
+    if own:
+        with GatheredParameters(own, modifier_rank=0):
+            fn(module)
+    else:
+        fn(module)
+    return module
 
 
 class GatheredParameters(contextlib.ContextDecorator):
@@ -382,3 +468,8 @@ def unregister_external_parameter(module, parameter):
     external = getattr(module, "_ds_external_params", [])
     if parameter in external:
         external.remove(parameter)
+
+
+# Upstream's zero.Init swaps torch.nn.functional.linear for this; here parameters keep their storage object across
+# release and gather, so torch's own linear is safe and nothing is swapped (docs/compatibility.md).
+from deepspeed.runtime.zero.linear import zero3_linear_wrap  # noqa: E402,F401

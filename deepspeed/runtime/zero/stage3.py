@@ -224,10 +224,6 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def grad_parts(self):
         return self.geometry.partitions()
 
-    def finish_window(self):
-        super().finish_window()
-        self.geometry.reduce_replicas()
-
     def _extra_sq_norm(self):
         """Every tensor-parallel rank holds the same shards of the replicated parameters: count them once."""
         pieces = self.geometry.replica_pieces()
@@ -348,6 +344,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     # ---------------------------------------------------------------- ZenFlow
     def finish_window(self):
         super().finish_window()
+        self.geometry.reduce_replicas()  # tensor-parallel replicas of a parameter see sharded activations
         if self.zenflow is not None:
             self.zenflow.before_step()
 
@@ -383,6 +380,12 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             self.param_tier.swap_in()
 
     shards_current = _step_done  # what ``GatheredParameters`` calls before it reads or writes ``ds_tensor``
+
+    def empty_partition_cache(self):
+        """Release every gathered unit no forward or backward holds (a prefetch in flight is completed first);
+        persistent units (under ``stage3_param_persistence_threshold``) stay gathered, as always."""
+        self._step_done()
+        self.coordinator.release_unused()
 
     def _state_dict_pre_hook(self, *_args, **_kwargs):
         self._step_done()

@@ -140,6 +140,9 @@ class ZeroStage:
     def compiled(self):
         """The module was just compiled (torch.compile is loaded): hooks compiled code must not trace are re-marked."""
 
+    def empty_partition_cache(self):
+        """Free gathered copies of partitioned parameters that nothing uses (stage 3; nothing to free otherwise)."""
+
     def window_is_empty(self):
         """No backward reached this engine since the window began."""
         return self.pipeline.backward_count == 0

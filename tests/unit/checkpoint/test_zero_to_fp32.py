@@ -92,7 +92,27 @@ def test_copied_script_runs_without_distributed(tmp_path):
     save_dir = str(tmp_path / "ckpt")
     fp32, module = run_distributed(save_worker, 2, args=(save_dir, 2, "bf16"), timeout=60)[0]
     script = os.path.join(save_dir, "zero_to_fp32.py")
+    assert os.access(script, os.X_OK), "the copied recovery script is executable, as upstream's"
     out = str(tmp_path / "pytorch_model.bin")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run([sys.executable, script, save_dir, out], check=True, cwd=save_dir, env=env, timeout=120)
     _check(torch.load(out), fp32, module)
+
+
+def test_recovery_script_permissions_on_a_file_system_that_refuses_them(tmp_path, caplog):
+    """Upstream's ``engine._change_recovery_script_permissions``: a missing file (or refused chmod) is logged at
+    info level and saving goes on."""
+    import logging
+    from deepspeed.runtime.checkpoint.engine_mixin import CheckpointEngineMixin
+    from deepspeed.utils.logging import logger
+    logger.propagate, propagate = True, logger.propagate
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            CheckpointEngineMixin._change_recovery_script_permissions(None, str(tmp_path / "missing" / "x.py"))
+    finally:
+        logger.propagate = propagate
+    assert "could not make" in caplog.text
+    present = tmp_path / "zero_to_fp32.py"
+    present.write_text("")
+    CheckpointEngineMixin._change_recovery_script_permissions(None, str(present))
+    assert os.access(present, os.X_OK)

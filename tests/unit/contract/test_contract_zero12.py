@@ -138,7 +138,8 @@ def no_sync_on_stage2():
     }
     engine = deepspeed.initialize(model=ToyNet(), config=cfg)[0]
     try:
-        with pytest.raises(RuntimeError, match="no_sync"):
+        # upstream's words (its assertion message), also an AssertionError
+        with pytest.raises(AssertionError, match="no_sync context manager is incompatible with gradient partitioning"):
             with engine.no_sync():
                 pass
     finally:

@@ -174,3 +174,49 @@ def test_upstream_names():
     for name in ("PDSHRunner", "OpenMPIRunner", "MPICHRunner", "IMPIRunner", "MVAPICHRunner", "SlurmRunner"):
         assert issubclass(getattr(multinode_runner, name), multinode_runner.MultiNodeRunner)
     assert list(LAUNCHER_CLASSES) == ["pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm"]
+
+
+@pytest.mark.parametrize("launcher", ["pdsh", "openmpi", "mpich", "mvapich", "slurm", "ssh"])
+def test_get_cmd_is_the_transports_of_the_given_hosts(tmp_path, monkeypatch, launcher):
+    """Upstream's runner interface: construct with (args, world info[, resource pool]) and ask ``get_cmd(env,
+    active_resources)`` (slot counts or slot ids): the same argv the launcher starts for a plan of those hosts."""
+    monkeypatch.setattr("deepspeed.launcher.mpi_runners.MVAPICH_TMP_HOSTFILE", str(tmp_path / "mv2hosts"))
+    monkeypatch.chdir(tmp_path)
+    args = runner.parse_args(["--launcher", launcher, "train.py", "--lr", "0.1"])
+    pool = OrderedDict([("w0", 2), ("w1", [0, 3])])
+    world_info = plan.encode_world_info(pool)
+    launcher_obj = LAUNCHER_CLASSES[launcher](args, world_info, pool)
+    assert launcher_obj.resource_pool is pool
+    job = plan.JobPlan(OrderedDict([("w0", [0, 1]), ("w1", [0, 3])]), "w0", 29500, True, 0)
+    expected = [t.argv for t in launcher_obj.transports(job, AgentOptions(launch_dir=str(tmp_path)), {"B": "1"})]
+    got = launcher_obj.get_cmd({"B": "1"}, pool)
+    if launcher == "pdsh":
+        cmd, kill, env = got
+        assert (cmd, env["PDSH_RCMD_TYPE"], env["B"]) == (expected[0], "ssh", "1")
+        assert kill[:6] == ["pdsh", "-S", "-f", "1024", "-w", "w0,w1"]
+        assert kill[6] == f"pkill -f -- --world_info={world_info}"
+    else:
+        assert got == (expected[0] if len(expected) == 1 else expected)
+    assert f"--world_info={world_info}" in " ".join(expected[0])
+    if launcher == "mvapich":  # written by get_cmd, as upstream's
+        assert (tmp_path / "mv2hosts").read_text() == "w0\nw1\n"
+
+
+def test_runner_written_against_upstreams_interface_constructs():
+    """A subclass defining upstream's abstract methods only (``backend_exists``, ``get_cmd``) constructs, also
+    with arguments that lack this launcher's flags; it cannot start agents."""
+
+    class Custom(multinode_runner.MultiNodeRunner):
+
+        def backend_exists(self):
+            return True
+
+        def get_cmd(self, environment, active_resources):
+            return ["custom"]
+
+    from types import SimpleNamespace
+    custom = Custom(SimpleNamespace(user_args=[], user_script="x.py"), "info")
+    custom.add_export("PYTHONPATH", "/lib")
+    assert custom.exports["PYTHONPATH"] == "/lib" and custom.get_cmd({}, {}) == ["custom"]
+    with pytest.raises(NotImplementedError, match="transports"):
+        custom.transports(None, AgentOptions(), {})

@@ -150,3 +150,35 @@ def test_bad_expert_counts():
         MoE(4, torch.nn.Linear(4, 4), num_experts=3, ep_size=2)
     with pytest.raises(ValueError, match="k=5"):
         MoE(4, torch.nn.Linear(4, 4), num_experts=4, k=5)
+
+
+@pytest.mark.parametrize("S, E, k, cf, mc", CASES[:8])
+def test_sparse_routes_and_dispatch_helpers_match_the_reference(S, E, k, cf, mc):
+    """``sparse_routes=True`` returns the reference routes as ``[k, S]`` tensors (-1 for a dropped route), and
+    ``_route_slots`` / ``_sparse_encode`` / ``_sparse_decode`` dispatch and combine exactly as the dense tensors."""
+    from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode
+    torch.manual_seed(S * 131 + E * 7 + k)
+    logits = torch.randn(S, E) * 2
+    routes, C, _, _ = reference_routes(logits, k, cf, mc)
+    if k == 1:
+        sparse = top1gating(logits, cf, mc, use_rts=False, sparse_routes=True)
+    elif k == 2:
+        sparse = top2gating(logits, cf, mc, top2_2nd_expert_sampling=False, sparse_routes=True)
+    else:
+        sparse = topkgating(logits, k, cf, mc, sparse_routes=True)
+    _, capacity_, experts_, indices, locations, gates, _ = sparse
+    assert (int(capacity_), experts_, indices.shape, indices.dtype) == (C, E, (k, S), torch.int32)
+    for s in range(S):
+        kept = sorted(
+            (int(indices[j, s]), int(locations[j, s]), float(gates[j, s])) for j in range(k) if indices[j, s] >= 0)
+        assert [(e, loc) for e, loc, _ in kept] == sorted((e, loc) for e, loc, _ in routes[s])
+        assert all(abs(w - dict(((e, loc), w) for e, loc, w in routes[s])[(e, loc)]) < 1e-6 for e, loc, w in kept)
+    assert all(float(gates[j, s]) == 0.0 for j in range(k) for s in range(S) if indices[j, s] < 0)
+    hidden = torch.randn(S, 5, dtype=torch.float64)
+    combine = dense_combine(routes, S, E, C).double()
+    slots = _route_slots(indices, locations, E, C)
+    torch.testing.assert_close(_sparse_encode(hidden, slots, E, C),
+                               torch.einsum("sec,sm->ecm", (combine > 0).double(), hidden))
+    expert_out = torch.randn(E, C, 5, dtype=torch.float64)
+    torch.testing.assert_close(_sparse_decode(expert_out.view(E * C, 5), slots, gates.double(), S),
+                               torch.einsum("sec,ecm->sm", combine, expert_out))

@@ -270,3 +270,20 @@ def _bad_sp():
 def test_bad_sequence_parallel_size_errors_on_every_rank():
     results = run_distributed(_bad_sp, 2, timeout=T)
     assert len(set(results)) == 1 and results[0] != "no error"
+
+
+@pytest.mark.parametrize("world, tp, ep, pp", [(16, 2, 4, 1), (8, 1, 2, 2), (12, 3, 2, 2), (4, 1, 4, 1)])
+def test_expert_parallel_ranks_helper(world, tp, ep, pp):
+    """Upstream's pure ``_get_expert_parallel_ranks``: written out from its rule (pipeline stages of consecutive
+    ranks; in a stage, the data-parallel ranks of each tensor rank cut into expert groups of ``ep`` consecutive
+    members; expert-data-parallel groups take one position of each), in upstream's order."""
+    stage = world // pp
+    ep_groups, edp_groups = [], []
+    for start in range(0, world, stage):
+        for t in range(tp):
+            dp = list(range(start + t, start + stage, tp))
+            ep_groups += [dp[i:i + ep] for i in range(0, len(dp), ep)]
+            edp_groups += [dp[j::ep] for j in range(ep)]
+    assert groups._get_expert_parallel_ranks(world, tp, ep, pp) == (ep_groups, edp_groups)
+    with pytest.raises(MeshError):
+        groups._get_expert_parallel_ranks(world, tp, world + 1, pp)

@@ -342,6 +342,16 @@ def test_deprecated_cpu_offload_flags(old_key, new_key, pin):
     assert offload.pin_memory is bool(pin)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_elastic_checkpoint_warns_at_stage_3(monkeypatch, stage):
+    """As upstream: ZeRO-3 with elastic_checkpoint warns through deepspeed.utils.logger that it is deprecated."""
+    import deepspeed.utils
+    messages = []
+    monkeypatch.setattr(deepspeed.utils.logger, "warning", lambda message, *a, **k: messages.append(message))
+    assert get_zero_config({"zero_optimization": {"stage": stage, "elastic_checkpoint": True}}).elastic_checkpoint
+    assert any("elastic checkpointing is deprecated" in m.lower() for m in messages) == (stage == 3)
+
+
 def test_legacy_boolean_zero_optimization():
     assert get_zero_config({"zero_optimization": False}).stage == 0
     zero = get_zero_config({"zero_optimization": True, "allgather_size": 1e6})

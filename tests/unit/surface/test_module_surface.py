@@ -51,7 +51,7 @@ SURFACE = {
     "deepspeed.runtime.zero": [
         "Init", "GatheredParameters", "ZeroParamStatus", "ZeroParamType", "DeepSpeedTensorOverride",
         "register_external_parameter", "DeepSpeedZeRoOffload", "TiledLinear", "TiledLinearReturnBias",
-        "unwrap_model_for_generation"
+        "unwrap_model_for_generation", "utils"
     ],
     "deepspeed.runtime.zero.utils": [
         "ZeRORuntimeException", "ZERO_SUPPORTED_OPTIMIZERS", "is_zero_supported_optimizer", "apply_to_tensors_only",
@@ -74,8 +74,14 @@ SURFACE = {
     "deepspeed.runtime.zero.stage3": ["DeepSpeedZeroOptimizer_Stage3", "unwrap_model_for_generation"],
     "deepspeed.runtime.zero.partition_parameters": [
         "MultipleAllGatherHandles", "InsertPostInitMethodToModuleSubClasses", "partitioned_param_data_shape",
-        "ZeroParamType", "DeepSpeedTensorOverride", "DEFAULT_TENSOR_OVERRIDES", "Init", "GatheredParameters"
+        "ZeroParamType", "DeepSpeedTensorOverride", "DEFAULT_TENSOR_OVERRIDES", "Init", "GatheredParameters",
+        "zero3_linear_wrap", "_contradicting_single_rank_pg_error", "CUDAQuantizer"
     ],
+    # upstream's optional-kernel flags (never used here) and helpers its tests import
+    "deepspeed.sequence.layer": ["apply_rotary_pos_emb", "_rotate_half", "_torchembed_available"],
+    "deepspeed.moe.sharded_moe": ["TUTEL_INSTALLED", "_route_slots", "_sparse_encode", "_sparse_decode"],
+    "deepspeed.utils.timer": ["trim_mean", "SynchronizedWallClockTimer", "ThroughputTimer"],
+    "deepspeed.utils.groups": ["_get_expert_parallel_ranks"],
     "deepspeed.runtime.zero.config": ["DeepSpeedZeroConfig", "ZeroStageEnum"],
     "deepspeed.runtime.torch_autocast": [
         "LOWER_PRECISION_SAFE_MODULES", "PARAM_COMM_DTYPE_ATTR_NAME", "init_autocast_params",
@@ -126,18 +132,7 @@ SURFACE = {
     "deepspeed.ops.adam.multi_tensor_apply": ["MultiTensorApply"],
     "deepspeed.ops.aio": ["AsyncIOBuilder"],
     "deepspeed.nvme": ["ds_io_main", "sweep_main", "generate_main", "parse_sweep_arguments"],
-    "deepspeed.ops.op_builder": ["FusedAdamBuilder", "AsyncIOBuilder", "CPUAdamBuilder"],
-}
-
-ACCELERATORS = {
-    "hpu": "HPU_Accelerator",
-    "npu": "NPU_Accelerator",
-    "mps": "MPS_Accelerator",
-    "xpu": "XPU_Accelerator",
-    "mlu": "MLU_Accelerator",
-    "sdaa": "SDAA_Accelerator",
-    "supa": "SUPA_Accelerator",
-    "klxpu": "KLXPU_Accelerator",
+    "deepspeed.ops.op_builder": ["FusedAdamBuilder", "AsyncIOBuilder", "CPUAdamBuilder", "PinMemoryBuilder"],
 }
 
 
@@ -146,16 +141,6 @@ def test_module_imports_with_upstream_names(path):
     module = importlib.import_module(path)
     missing = [name for name in SURFACE[path] if not hasattr(module, name)]
     assert not missing, f"{path} lacks {missing}"
-
-
-@pytest.mark.parametrize("device", sorted(ACCELERATORS))
-def test_other_accelerators_import_and_refuse(device):
-    from deepspeed.accelerator import DeepSpeedAccelerator
-    module = importlib.import_module(f"deepspeed.accelerator.{device}_accelerator")
-    cls = getattr(module, ACCELERATORS[device])
-    assert issubclass(cls, DeepSpeedAccelerator)
-    with pytest.raises(NotImplementedError, match="not built"):
-        cls()
 
 
 def test_stage_optimizer_classes_are_the_returned_ones():

@@ -96,6 +96,30 @@ def test_zero3_linear_follows_autocast(shape, dtype):
         assert layer(x).dtype == torch.float32
 
 
+@pytest.mark.parametrize("shape", [(5, ), (3, 5), (2, 3, 5)])
+def test_zero3_linear_backward_autocast_and_torch_func(shape):
+    """The backward of an fp32 forward is not changed by an autocast region around it; torch.func.grad and vmap
+    run through the function."""
+    from deepspeed.runtime.zero.linear import LinearModuleForZeroStage3, zero3_linear_wrap
+    torch.manual_seed(0)
+    layer = LinearModuleForZeroStage3(5, 4)
+    reference = torch.nn.Linear(5, 4)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(shape)
+    plain = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain.sum().backward()
+    reference(x).sum().backward()
+    assert layer.weight.grad.dtype == torch.float32
+    assert torch.allclose(layer.weight.grad, reference.weight.grad, atol=1e-6)
+    w, b = layer.weight.detach(), layer.bias.detach()
+    grads = torch.func.grad(lambda w_, x_: zero3_linear_wrap(x_, w_, b).pow(2).sum(), argnums=(0, 1))(w, x)
+    expected = torch.func.grad(lambda w_, x_: torch.nn.functional.linear(x_, w_, b).pow(2).sum(), argnums=(0, 1))(w, x)
+    assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, expected))
+    batch = torch.randn(3, *shape)
+    assert torch.allclose(torch.func.vmap(lambda xi: zero3_linear_wrap(xi, w, b))(batch), reference(batch), atol=1e-6)
+
+
 @pytest.mark.parametrize("in_f,out_f,in_splits,out_splits", [(7, 5, 3, 2), (4, 9, 1, 4), (6, 6, 6, 1), (1, 3, 1, 3)])
 def test_tiled_linear_matches_linear(in_f, out_f, in_splits, out_splits):
     from deepspeed.runtime.zero.tiling import TiledLinear
@@ -242,6 +266,18 @@ def returned_class_worker(stage, dtype, optimizer_type, accum):
     x = torch.randn(1, 4)
     engine.backward(engine(x.to(engine.module[0].weight.dtype)).float().sum())
     engine.step()
+    # upstream's names for the fp32 master partitions: on one rank, the group's values after the step
+    view = {
+        "DeepSpeedZeroOptimizer": "single_partition_of_fp32_groups",
+        "DeepSpeedZeroOptimizer_Stage3": "fp32_partitioned_groups_flat"
+    }.get(name)
+    if view is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+        parts = getattr(optimizer, view)
+        full = torch.cat([safe_get_full_fp32_param(p).flatten() for p in engine.module.parameters()])
+        padded = torch.cat([full, full.new_zeros(parts[0].numel() - full.numel())])  # the layout's order and padding
+        assert len(parts) == 1 and parts[0].dtype == torch.float32
+        assert torch.equal(parts[0].detach().sort().values, padded.sort().values)
     engine.destroy()
     return name
 
@@ -297,3 +333,32 @@ def test_partition_parameters_names():
     built.clear()
     torch.nn.Linear(1, 1)
     assert built == []
+
+
+def contradicting_group_worker(launcher_world, explicit):
+    import os
+    import deepspeed
+    import deepspeed.comm as dist
+    os.environ["WORLD_SIZE"] = launcher_world  # what a launcher that started several ranks would say
+    group = dist.new_group([0]) if explicit else None
+    try:
+        with deepspeed.zero.Init(data_parallel_group=group):
+            layer = torch.nn.Linear(3, 2)
+    except RuntimeError as err:
+        return str(err)
+    return layer.weight.ds_numel
+
+
+@pytest.mark.parametrize("launcher_world,explicit,expected", [("4", False, "WORLD_SIZE=4"), ("1", False, 6),
+                                                              ("4", True, 6)])
+def test_zero_init_refuses_a_single_rank_group_under_a_multi_rank_launcher(launcher_world, explicit, expected):
+    """A size-1 default group while the launcher reports several ranks would leave every rank the whole model:
+    zero.Init raises, naming the fix; an explicit group of one rank is taken as intended."""
+    from deepspeed.runtime.zero.partition_parameters import _contradicting_single_rank_pg_error
+    assert _contradicting_single_rank_pg_error(1, None, {"WORLD_SIZE": "not-a-number"}) is None
+    assert _contradicting_single_rank_pg_error(2, None, {"WORLD_SIZE": "4"}) is None
+    outcome = run_distributed(contradicting_group_worker, 1, args=(launcher_world, explicit), timeout=60)[0]
+    if isinstance(expected, str):
+        assert expected in outcome and "init_distributed" in outcome, outcome
+    else:
+        assert outcome == expected

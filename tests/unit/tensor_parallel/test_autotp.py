@@ -48,8 +48,9 @@ WORLD2 = [
 ]
 WORLD4 = [
     (("mistral", 4, 2), {}),
+    # fp32: the q_norm/k_norm replicas see sharded heads, and a missing reduction of their gradient over the
+    # tensor-parallel group moves them by about 1e-4, below bf16's resolution of a weight near 1
     (("qwen3", 2, 3), {
-        "dtype": "bf16",
         "hf_plan": False,
         "clip": 0.3
     }),

@@ -140,3 +140,28 @@ def test_throughput_timer_disabled():
     timer.start()
     timer.stop(global_step=True)
     assert timer.global_step_count == 0
+
+
+@pytest.mark.parametrize("values,fraction,expected", [([3.0, 1.0, 2.0], 0.1, 2.0), ([], 0.2, 0.0),
+                                                      ([5.0, 1.0, 2.0, 3.0, 4.0], 0.2, 3.0),
+                                                      ([float(v) for v in range(15)], 0.1, 7.0),
+                                                      ([1.0, 9.0], 0.5, 5.0)])
+def test_trim_mean(values, fraction, expected):
+    """Upstream's ``deepspeed.utils.timer.trim_mean``: ``round(n * fraction)`` values cut at each end (written out:
+    15 values at 0.1 lose two at each end), the argument left as it was."""
+    from deepspeed.utils.timer import trim_mean
+    before = list(values)
+    kept = sorted(values)[int(round(len(values) * fraction)):len(values) - int(round(len(values) * fraction))]
+    assert trim_mean(values, fraction) == expected == (sum(kept or values) / len(kept or values) if values else 0.0)
+    assert values == before
+    with pytest.raises(ValueError, match="fraction"):
+        trim_mean(values, 1.5)
+
+
+def test_engine_log_level_is_the_configs():
+    from types import SimpleNamespace
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.config import DeepSpeedConfig
+    for given in ("ERROR", "info", None):
+        config = DeepSpeedConfig({"train_batch_size": 1, **({"log_level": given} if given else {})})
+        assert DeepSpeedEngine.log_level(SimpleNamespace(_config=config)) == given

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """ZeRO-3 construction and gathering API: zero.Init, GatheredParameters, register_external_parameter."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,3 +134,123 @@ def external_parameter():
 @pytest.mark.parametrize("world", [1, 2])
 def test_register_external_parameter(world):
     assert run_distributed(external_parameter, world, timeout=90) == [True] * world
+
+
+def empty_partition_cache_worker(stage, persistence):
+    import copy
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    torch.manual_seed(7)
+    model = Pair()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    cfg = {**STAGE3, "gradient_clipping": 0.0,
+           "zero_optimization": {**STAGE3["zero_optimization"], "stage": stage,
+                                 "stage3_param_persistence_threshold": persistence}}  # yapf: disable
+    engine = deepspeed.initialize(model=model, config=cfg)[0]
+    engine.empty_partition_cache()  # right after initialize: nothing to free, nothing breaks
+    world = dist.get_world_size()
+    if stage == 3:  # a unit left gathered with nobody using it, as an unconsumed prefetch leaves it
+        for unit in engine._stage.coordinator.units:
+            engine._stage.coordinator.gather(unit)
+    engine.empty_partition_cache()
+    if stage == 3:
+        for param in engine.module.parameters():
+            persistent = param.ds_numel < persistence
+            assert (param.ds_status == ZeroParamStatus.AVAILABLE) == persistent, (param.ds_shape, persistent)
+            assert param.numel() == (param.ds_numel if persistent else 0)
+    for step in range(2):
+        x = torch.randn(2 * world, 6, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x[2 * dist.get_rank():2 * dist.get_rank() + 2]).square().sum())
+        engine.step()
+        engine.empty_partition_cache()
+        ref_opt.zero_grad()
+        (reference(x).square().sum() / world).backward()
+        ref_opt.step()
+    got = [deepspeed.utils.safe_get_full_fp32_param(p) for p in engine.module.parameters()]
+    engine.destroy()
+    return all(torch.allclose(g, r, atol=1e-6) for g, r in zip(got, reference.parameters()))
+
+
+@pytest.mark.parametrize("stage,persistence", [(3, 0), (3, 10), (1, 0)])
+def test_empty_partition_cache(stage, persistence):
+    """Upstream's engine.empty_partition_cache(): gathered ZeRO-3 copies nobody uses are freed (persistent ones
+    stay), on any stage it may be called at any point between steps, and training is unchanged (plain torch)."""
+    assert run_distributed(empty_partition_cache_worker, 2, args=(stage, persistence), timeout=90) == [True, True]
+
+
+def all_gather_coalesced_worker():
+    import io
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    torch.manual_seed(100)
+    expected = Pair()  # rank 0's construction, redone locally: zero.Init shards rank 0's values
+    torch.manual_seed(100)
+    with deepspeed.zero.Init():
+        model = Pair()
+    params = list(model.parameters())
+    assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE and p.numel() == 0 for p in params)
+    params[0].all_gather_coalesced(params).wait()
+    whole = all(torch.equal(p.data, e) for p, e in zip(params, expected.parameters()))
+    buffer = io.BytesIO()
+    torch.save(params[0], buffer)  # the attribute is a module function: the parameter still pickles
+    engine = deepspeed.initialize(model=model, config={**STAGE3, "gradient_clipping": 0.0})[0]
+    engine.backward(engine(torch.ones(2, 6)).sum())
+    engine.step()
+    params[0].all_gather_coalesced(params).wait()  # after a step: the updated values
+    stepped = all(torch.equal(p.data, deepspeed.utils.safe_get_full_fp32_param(p)) for p in params)
+    engine.destroy()
+    return whole, stepped
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_param_all_gather_coalesced(world):
+    """Upstream's ``param.all_gather_coalesced(params).wait()``: every listed ZeRO-3 parameter whole, exactly
+    (rank 0's construction), also after an engine's step."""
+    assert run_distributed(all_gather_coalesced_worker, world, timeout=90) == [(True, True)] * world
+
+
+class ParentInitializesChildren(nn.Module):
+    """Initialises its children's weights in its own ``__init__``, after zero.Init partitioned them (HF's
+    ``self.apply(self._init_weights)``)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.pair = Pair()
+        self.head = nn.Linear(3, 2)
+        self.apply(functools.partial(self._init_weights, rank))
+
+    @staticmethod
+    def _init_weights(rank, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.5)  # this rank's generator
+            with torch.no_grad():
+                module.bias.fill_(0.1 * (1 + rank))
+
+
+def parent_init_worker():
+    import deepspeed
+    import deepspeed.comm as dist
+    rank = dist.get_rank()
+    torch.manual_seed(100)
+    expected = ParentInitializesChildren(0)  # rank 0's construction, redone locally
+    torch.manual_seed(100 + rank)
+    with deepspeed.zero.Init():
+        model = ParentInitializesChildren(rank)
+    assert torch.nn.Module.apply is not None and "apply" not in vars(type(model))
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return all(torch.equal(p.data, e) for p, e in zip(params, expected.parameters()))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_apply_inside_zero_init_initialises_partitioned_children(world):
+    """``module.apply(fn)`` under zero.Init sees each module's parameters whole and keeps rank 0's result on every
+    rank (upstream's behaviour; plain torch's values on rank 0's generator)."""
+    import deepspeed
+    original = torch.nn.Module.apply
+    assert run_distributed(parent_init_worker, world, timeout=90) == [True] * world
+    with deepspeed.zero.Init(enabled=False):
+        assert torch.nn.Module.apply is original
+    assert torch.nn.Module.apply is original

@@ -62,7 +62,12 @@ def test_leaf_api():
     "name_suffixes": ["experts.1"]
 }, ["moe.experts.1"]), ({}, [])])
 def test_leaf_module_config(section, expected):
-    from deepspeed.runtime.zero.config import get_zero_config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
+    from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+    # upstream's section holds lists (a single string is a one-element list; repeats dropped)
+    assert DeepSpeedZeroConfig().leaf_module.classes == DEFAULT_LEAF_MODULE_CLASSES
+    given = DeepSpeedZeroConfig(leaf_module={"classes": "my.Class", "names": ["a", "a"]}).leaf_module
+    assert (given.classes, given.names, given.name_suffixes) == (["my.Class"], ["a"], [])
     from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
     model = MoENet()
     cfg = get_zero_config({"zero_optimization": {"stage": 3, "leaf_module": section}})
@@ -154,3 +159,47 @@ def test_leaf_unit_lifetimes(by_config):
     used = run_distributed(lifetimes_worker, 2, args=(by_config, ), timeout=60)
     # the routing really differs: some step runs an expert on one rank and not on the other
     assert any(set(a) != set(b) for a, b in zip(*used)), used
+
+
+class TwoLayer(torch.nn.Module):
+    """Its first op takes the input directly: the input's gradient and the first weight's come from one node."""
+
+    def __init__(self, dim=6):
+        super().__init__()
+        self.first = torch.nn.Linear(dim, 2 * dim, bias=False)
+        self.second = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def leaf_fed_by_autograd_leaf_worker(requires_grad):
+    import copy
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.utils import safe_get_full_grad, set_z3_leaf_modules
+    torch.manual_seed(0)
+    model = TwoLayer()
+    reference = copy.deepcopy(model)
+    set_z3_leaf_modules(model, [TwoLayer])  # the whole model is the leaf: nothing runs after its backward
+    engine = deepspeed.initialize(model=model, config={**STAGE3, "gradient_clipping": 0.0})[0]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(1)
+    inputs = torch.randn(world, 3, 6)
+    x = inputs[rank].clone().requires_grad_(requires_grad)  # an autograd leaf when it requires grad
+    engine.backward(engine(x).square().sum())
+    got = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+    x_ref = inputs.clone().requires_grad_(requires_grad)
+    sum(reference(x_ref[r]).square().sum() for r in range(world)).div(world).backward()
+    x_ok = not requires_grad or torch.allclose(x.grad, x_ref.grad[rank] * world, atol=1e-5)
+    engine.destroy()
+    return x_ok and all(
+        torch.allclose(got[n], p.grad, atol=1e-5) for n, p in reference.named_parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_leaf_fed_by_an_input_that_requires_grad(requires_grad):
+    """A leaf whose input is an autograd leaf tensor (created with requires_grad=True): its unit stays gathered
+    until every parameter gradient of the leaf is delivered (the input's own gradient may arrive first), and the
+    gradients are plain torch's; the input's gradient is the local one (the loss of this rank)."""
+    assert run_distributed(leaf_fed_by_autograd_leaf_worker, 2, args=(requires_grad, ), timeout=60) == [True] * 2
