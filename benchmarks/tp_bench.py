@@ -122,7 +122,9 @@ def main():
     try:
         model = build_model(args, torch.bfloat16, device)
         if args.system == "autotp" and args.tp == 1:
+            from deepspeed.module_inject.layers import set_autotp_mode
             from deepspeed.runtime.tensor_parallel import TpTrainingManager
+            set_autotp_mode(training=True)  # as initialize does first; upstream's manager takes the inference path without it
             TpTrainingManager(model, tp_size=1, dtype=torch.bfloat16)
             result["tp_layers"] = sum(1 for m in model.modules()
                                       if "Linear" in type(m).__name__ and type(m).__module__.startswith("deepspeed"))
