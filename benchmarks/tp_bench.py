@@ -124,7 +124,8 @@ def main():
         if args.system == "autotp" and args.tp == 1:
             from deepspeed.module_inject.layers import set_autotp_mode
             from deepspeed.runtime.tensor_parallel import TpTrainingManager
-            set_autotp_mode(training=True)  # as initialize does first; upstream's manager takes the inference path without it
+            # as initialize does first: without it upstream's manager takes its inference path
+            set_autotp_mode(training=True)
             TpTrainingManager(model, tp_size=1, dtype=torch.bfloat16)
             result["tp_layers"] = sum(1 for m in model.modules()
                                       if "Linear" in type(m).__name__ and type(m).__module__.startswith("deepspeed"))

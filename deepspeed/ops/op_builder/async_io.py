@@ -15,7 +15,7 @@ import importlib.util
 import os
 import time
 
-from .builder import OpBuilder, cxx_compiler, ninja_available
+from .builder import OpBuilder, build_lock, cxx_compiler, ninja_available
 
 
 class AsyncIOBuilder(OpBuilder):
@@ -57,14 +57,15 @@ class AsyncIOBuilder(OpBuilder):
         build_dir = self.jit_build_dir()
         os.makedirs(build_dir, exist_ok=True)
         start = time.time()
-        path = cpp_extension.load(name=self.extension_name(),
-                                  sources=self._absolute_sources(),
-                                  extra_cflags=self.cxx_args(),
-                                  extra_ldflags=self.extra_ldflags(),
-                                  build_directory=build_dir,
-                                  with_cuda=False,
-                                  is_python_module=False,
-                                  verbose=False)
+        with build_lock(build_dir):
+            path = cpp_extension.load(name=self.extension_name(),
+                                      sources=self._absolute_sources(),
+                                      extra_cflags=self.cxx_args(),
+                                      extra_ldflags=self.extra_ldflags(),
+                                      build_directory=build_dir,
+                                      with_cuda=False,
+                                      is_python_module=False,
+                                      verbose=False)
         self.jit_mode = True
         if verbose:
             print(f"Loaded the {self.name} op (JIT, {time.time() - start:.1f} s) from {build_dir}")

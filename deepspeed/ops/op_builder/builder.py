@@ -20,6 +20,7 @@ This module imports only the standard library at import time (torch is imported 
 ``setup.py`` can load the builders without importing the ``deepspeed`` package.
 """
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -53,6 +54,38 @@ def jit_cache_root():
         return os.path.abspath(os.path.expanduser(root))
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "deepspeed_ops")
+
+
+@contextlib.contextmanager
+def build_lock(build_dir):
+    """Hold the build folder's lock (``<build_dir>.build-lock``, an ``flock``) around torch's JIT build.
+
+    torch serialises builds of one folder with a plain file, ``<build_dir>/lock``, created by whoever builds and
+    removed when it is done; every later load, even of a finished build, waits while that file exists. A build that
+    is killed (a job stopped mid-compile) leaves it behind, and every later load of the op would wait forever.
+    Loads here take this ``flock`` first: the kernel releases it when its holder dies, so one that holds it knows no
+    process of this package is building the folder, and a ``lock`` file it finds was left by a dead build; it is
+    removed, with a warning. Without ``fcntl`` (not POSIX) nothing changes.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(build_dir.rstrip(os.sep) + ".build-lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                print(f"[deepspeed] removing {stale}: left by a build of this op that did not finish (killed?)",
+                      file=sys.stderr)
+                try:
+                    os.remove(stale)
+                except FileNotFoundError:
+                    pass
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def command_path(command):
@@ -265,15 +298,16 @@ class OpBuilder:
         build_dir = self.jit_build_dir()
         os.makedirs(build_dir, exist_ok=True)
         start = time.time()
-        module = cpp_extension.load(name=self.extension_name(),
-                                    sources=self._absolute_sources(),
-                                    extra_include_paths=self._absolute_includes(),
-                                    extra_cflags=self.cxx_args(),
-                                    extra_cuda_cflags=self.nvcc_args() if self.with_cuda() else None,
-                                    extra_ldflags=self.extra_ldflags(),
-                                    build_directory=build_dir,
-                                    with_cuda=self.with_cuda(),
-                                    verbose=False)
+        with build_lock(build_dir):
+            module = cpp_extension.load(name=self.extension_name(),
+                                        sources=self._absolute_sources(),
+                                        extra_include_paths=self._absolute_includes(),
+                                        extra_cflags=self.cxx_args(),
+                                        extra_cuda_cflags=self.nvcc_args() if self.with_cuda() else None,
+                                        extra_ldflags=self.extra_ldflags(),
+                                        build_directory=build_dir,
+                                        with_cuda=self.with_cuda(),
+                                        verbose=False)
         self.jit_mode = True
         if verbose:
             print(f"Loaded the {self.name} op (JIT, {time.time() - start:.1f} s) from {build_dir}")

@@ -199,3 +199,67 @@ def test_ds_report_options(capsys):
     assert "op name" not in text and "torch version" in text
     assert cli_main(["--hide_errors_and_warnings"]) == 0
     assert "[WARNING]" not in capsys.readouterr().out
+
+
+_JIT_LOAD = ("import sys; from deepspeed.ops.op_builder import CPUAdamBuilder; "
+             "CPUAdamBuilder().jit_load(verbose=False); print('LOADED')")
+
+
+def _jit_load_process():
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-c", _JIT_LOAD],
+                            cwd=REPO,
+                            env=env,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_later_loads():
+    # torch's JIT builder serialises a build folder with the file `lock`; a build killed mid-compile leaves it, and
+    # torch's loader then waits for it forever, even for a finished build. The load must remove it and go on.
+    builder = CPUAdamBuilder()
+    if builder.incompatible_reason() is not None:
+        pytest.skip(builder.incompatible_reason())
+    build_dir = builder.jit_build_dir()
+    os.makedirs(build_dir, exist_ok=True)
+    stale = os.path.join(build_dir, "lock")
+    open(stale, "w").close()
+    process = _jit_load_process()
+    try:
+        out, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 0 and "LOADED" in out, err[-2000:]
+    assert "did not finish" in err
+    assert not os.path.exists(stale)
+
+
+def test_the_lock_of_a_build_in_progress_is_kept():
+    # While another process builds (it holds the folder's flock and torch's `lock`), a load waits for it instead of
+    # removing its lock; when that build ends, the load goes on.
+    import fcntl
+    import time
+    builder = CPUAdamBuilder()
+    if builder.incompatible_reason() is not None:
+        pytest.skip(builder.incompatible_reason())
+    build_dir = builder.jit_build_dir()
+    os.makedirs(build_dir, exist_ok=True)
+    live = os.path.join(build_dir, "lock")
+    with open(build_dir.rstrip(os.sep) + ".build-lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        open(live, "w").close()
+        process = _jit_load_process()
+        try:
+            time.sleep(8)
+            assert process.poll() is None, "the load did not wait for the build in progress"
+            assert os.path.exists(live)
+        finally:
+            os.remove(live)  # the build in progress ends: torch's lock goes, then the flock
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    try:
+        out, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 0 and "LOADED" in out, err[-2000:]
+    assert "did not finish" not in err
