@@ -203,7 +203,11 @@ run() {  # run LABEL LIMIT [env...] -- train_bench args
 TMP=$(mktemp -d)
 run ours "$T_OURS" DS_BENCH_UPSTREAM=0 -- --systems ds_zero3+nvme
 if [ -z "$upstream_skip" ]; then
-    run upstream "$T_UPSTREAM" DS_BENCH_UPSTREAM=1 PYTHONPATH=/tmp/upstream -- --systems ds_zero3+nvme
+    # upstream's op builder parses each arch as major.minor integers: an arch with a suffix ("9.0a", which the GPU
+    # machine presets) stops its async_io build with "invalid literal for int() with base 10: '0a'"
+    UPSTREAM_ARCHS=$(echo "$TORCH_CUDA_ARCH_LIST" | sed -E 's/([0-9]+\.[0-9]+)[a-z]+/\1/g')
+    run upstream "$T_UPSTREAM" DS_BENCH_UPSTREAM=1 PYTHONPATH=/tmp/upstream TORCH_CUDA_ARCH_LIST="$UPSTREAM_ARCHS" \
+        -- --systems ds_zero3+nvme
 else
     say "== upstream: not run: $upstream_skip"
 fi
