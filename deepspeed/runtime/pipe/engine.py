@@ -87,6 +87,7 @@ class _Layout:
 class PipelineEngine(DeepSpeedEngine):
     """A training engine for pipeline (x data) parallelism; see the module docstring."""
 
+    pipeline_parallelism = True
     ID_TO_DTYPE = p2p.ID_TO_DTYPE[:12]
     DTYPE_TO_ID = {dtype: i for i, dtype in enumerate(ID_TO_DTYPE)}
 
