@@ -30,7 +30,7 @@ class TPPlanConverter:
         unsupported = sorted({str(s) for s in hf_tp_plan.values() if str(s).lower() not in SUPPORTED_STYLES})
         if unsupported:
             raise ValueError(
-                f"AutoTP: the model's tp_plan uses styles {unsupported}, which are not supported (supported: "
+                f"AutoTP: unsupported partition style(s) {unsupported} in the model's tp_plan (supported: "
                 f"{list(SUPPORTED_STYLES)}); give 'tensor_parallel.partition_config' for this model")
         specs = []
         for pattern, style in hf_tp_plan.items():

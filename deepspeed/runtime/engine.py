@@ -46,6 +46,9 @@ from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
 class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     """A model wrapped for DeepSpeed training (see the module docstring)."""
 
+    # upstream's flag: True for the engine of a PipelineModule (PipelineEngine)
+    pipeline_parallelism = False
+
     def __init__(self,
                  args=None,
                  model=None,
@@ -408,8 +411,12 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     def coalesce_grad_reduction(self):
         """Defer gradient reduction over every backward inside the context to one pass at its exit.
 
-        ``step()`` inside the context, and nesting it with ``no_sync()`` or itself, raise (as upstream).
+        ``step()`` inside the context, and nesting it with ``no_sync()`` or itself, raise (as upstream); so does a
+        pipeline engine, whose ``train_batch()`` reduces the gradients once per batch.
         """
+        if self.pipeline_parallelism:
+            raise NotImplementedError("coalesce_grad_reduction is not supported with pipeline parallelism: "
+                                      "train_batch() reduces the gradients once per batch")
         if self.window.deferred():
             raise EngineUsageError("coalesce_grad_reduction cannot be nested inside another no_sync context "
                                    "(no_sync() or coalesce_grad_reduction())")

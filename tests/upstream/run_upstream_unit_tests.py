@@ -209,6 +209,9 @@ def collect(args):
         wanted_before = wanted
         wanted = {n for n, _ in collected if category(n) not in skip}
         wanted = wanted if wanted_before is None else wanted & wanted_before
+    if args.categories:  # only these categories, sampled among their own parametrizations
+        keep = set(args.categories.split(","))
+        collected = [(n, ranks) for n, ranks in collected if category(n) in keep]
     per_file = collections.OrderedDict()
     for nodeid in sample(collected, args.per_function, args.dist_per_class):
         if wanted is not None and nodeid not in wanted:
@@ -351,6 +354,9 @@ def main(argv=None):
     r.add_argument("--only", help="a file of node ids, one a line: run only those (with --only-passed-in: both)")
     r.add_argument("--without",
                    help="categories to leave out, comma-separated (e.g. " + ",".join(sorted(OUT_OF_SCOPE)) + ")")
+    r.add_argument("--categories",
+                   help="run only these categories, comma-separated (e.g. " + ",".join(sorted(OUT_OF_SCOPE)) +
+                   "); the sample is taken among their tests (a test function's first parametrization in them)")
     r.add_argument("paths", nargs="*", help="paths under tests/ (default: unit/, as upstream's CPU workflow)")
     c = sub.add_parser("compare", help="of the tests BASE passed, how many OTHER passes")
     c.add_argument("base", help="results folder (or folders, comma-separated) of the reference run")

@@ -87,6 +87,7 @@ class _Layout:
 class PipelineEngine(DeepSpeedEngine):
     """A training engine for pipeline (x data) parallelism; see the module docstring."""
 
+    pipeline_parallelism = True
     ID_TO_DTYPE = p2p.ID_TO_DTYPE[:12]
     DTYPE_TO_ID = {dtype: i for i, dtype in enumerate(ID_TO_DTYPE)}
 
@@ -212,8 +213,13 @@ class PipelineEngine(DeepSpeedEngine):
         layers) gets an optimizer without parameters where a torch optimizer would refuse an empty list: every
         stage takes part in the boundary step's collectives (the global norm spans the stages)."""
         params = list(model_parameters) if model_parameters is not None else list(self.module.parameters())
+        # parameter groups: their parameters read twice below (a generator would be spent by the first)
+        params = [
+            dict(p, params=[p["params"]] if isinstance(p["params"], torch.Tensor) else list(p["params"]))
+            if isinstance(p, dict) and "params" in p else p for p in params
+        ]
         if (client_optimizer is None and self._config.optimizer_name is not None
-                and not any(p.requires_grad for p in params)):
+                and not any(p.requires_grad for p in _flat_parameters(params))):
             return _NoParameters(dict(self._config.optimizer_params or {}))
         return super()._build_optimizer(client_optimizer, params)
 
@@ -846,6 +852,15 @@ def initialize_pipeline(args, model, optimizer, model_parameters, training_data,
                             collate_fn=collate_fn,
                             config=config)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _flat_parameters(params):
+    """The parameters of ``model_parameters``: tensors, or parameter groups (dicts holding ``params``)."""
+    for item in params:
+        if isinstance(item, dict):
+            yield from item.get("params", ())
+        else:
+            yield item
 
 
 class _NoParameters(torch.optim.Optimizer):

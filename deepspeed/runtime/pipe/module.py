@@ -439,6 +439,16 @@ class PipelineModule(nn.Module):
     def _precompute_checkpointable_values(self):
         self._checkpointable = {}
 
+    @property
+    def is_checkpointable_results(self):
+        """Per block of ``activation_checkpoint_interval`` layers of the active chunk, whether ``forward`` runs it
+        checkpointed, for the current interval ([] when it is 0)."""
+        interval = self.activation_checkpoint_interval
+        if interval == 0:
+            return []
+        chunk = self._active_chunk
+        return list(self._checkpointable_blocks(chunk, self._chunk_funcs[chunk], interval))
+
     def _is_checkpointable(self, funcs):
         if self.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint:
             # A reentrant checkpoint needs an input that requires grad; upstream keys GPT models by class name.

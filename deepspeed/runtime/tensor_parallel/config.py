@@ -154,12 +154,20 @@ def get_tensor_parallel_config(ds_config):
 
 def _get_hf_tp_plan(model):
     """The model's Hugging Face tensor-parallel plan: the config's ``base_model_tp_plan`` (under the base model's
-    prefix) merged with the class's and the instance's ``_tp_plan``; None when there is none."""
+    prefix) merged with the class's and the instance's ``_tp_plan``; None when there is none.
+
+    Transformers fills the instance's plan with the base plan's patterns under the base model's prefix
+    (``model.layers.*.q_proj`` beside ``layers.*.q_proj``). A pattern matches a parameter path by its end, so such a
+    copy matches nothing the earlier pattern does not: it is left out, and the plan holds each rule once."""
     config = getattr(model, "config", None)
     plans = (getattr(config, "base_model_tp_plan",
                      None), getattr(type(model), "_tp_plan", None), getattr(model, "__dict__", {}).get("_tp_plan"))
     merged = {}
     for plan in plans:
-        if isinstance(plan, dict):
-            merged.update(plan)
+        if not isinstance(plan, dict):
+            continue
+        for pattern, style in plan.items():
+            if pattern not in merged and any(str(pattern).endswith("." + str(seen)) for seen in merged):
+                continue
+            merged[pattern] = style
     return merged or None

@@ -13,7 +13,8 @@
    group);
 3. starts every rank of the group from the same values: each parameter and buffer is
    broadcast from the group's first rank before it is cut (one tensor at a time, through the
-   communication device);
+   communication device), except the parameters of tensor-parallel layers the model already holds
+   (built by hand from ``module_inject.layers``): each rank's piece is its own;
 4. replaces each planned ``nn.Linear`` by its tensor-parallel layer (``module_inject.layers``),
    which keeps the module's parameters and cuts them in place.
 """
@@ -23,8 +24,8 @@ from torch import nn
 
 import deepspeed.comm as dist
 from deepspeed.module_inject import tp_shard
-from deepspeed.module_inject.layers import (LinearAllreduce, LinearLayer, ShardLayout, SubParamLinearAllreduce,
-                                            SubParamLinearLayer, _sub_sizes_from_shape)
+from deepspeed.module_inject.layers import (TP_LAYOUT_ATTR, LinearAllreduce, LinearLayer, ShardLayout,
+                                            SubParamLinearAllreduce, SubParamLinearLayer, _sub_sizes_from_shape)
 from deepspeed.runtime.zero.partition_parameters import gather_param, is_zero_param
 from deepspeed.utils.logging import log_dist
 
@@ -101,7 +102,7 @@ def _whole_again(model):
 @torch.no_grad()
 def _broadcast_from_first(model, group, src, comm_device):
     for tensor in list(model.parameters()) + list(model.buffers()):
-        if tensor.numel() == 0:
+        if tensor.numel() == 0 or getattr(tensor, TP_LAYOUT_ATTR, None) is not None:
             continue
         staged = tensor.data.to(comm_device)
         dist.broadcast(staged, src=src, group=group)
