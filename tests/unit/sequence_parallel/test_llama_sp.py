@@ -70,7 +70,7 @@ def test_llama_sp_with_norms_recomputed_matches_unsharded(world, stage, offload)
 
 
 @pytest.mark.parametrize("world,stage,bf16,lora,offload", [(2, 0, False, False, False), (2, 3, True, False, True),
-                                                            (4, 2, False, True, True), (4, 3, False, False, False)])
+                                                           (4, 2, False, True, True), (4, 3, False, False, False)])
 def test_llama_sp_with_tiled_decoder_layers_matches_unsharded(world, stage, bf16, lora, offload):
     # the token-wise parts of every layer in tiles around the Ulysses attention, alone or inside offloaded
     # checkpoints; under LoRA only the adapters (inside the tiled projections) train
