@@ -12,10 +12,8 @@ runs on the compiled op when it loads and on a pool of Python threads otherwise 
 import ctypes
 import importlib
 import importlib.util
-import os
-import time
 
-from .builder import OpBuilder, build_lock, cxx_compiler, ninja_available
+from .builder import OpBuilder, cxx_compiler
 
 
 class AsyncIOBuilder(OpBuilder):
@@ -24,6 +22,7 @@ class AsyncIOBuilder(OpBuilder):
     NAME = "async_io"
     BUILD_VAR = "DS_BUILD_AIO"
     FRONT = "deepspeed.ops.aio.async_io"
+    PYTHON_MODULE = False  # a plain shared library: jit_load returns its path, for ctypes
 
     def __init__(self, name=None):
         super().__init__(name=name)
@@ -44,32 +43,6 @@ class AsyncIOBuilder(OpBuilder):
         if cxx_compiler() is None:
             return "no C++ compiler found; the aio handle runs on Python threads instead"
         return None
-
-    def jit_load(self, verbose=True):
-        """Build the library (or reuse its build folder) and return its path."""
-        reason = self.incompatible_reason()
-        if reason is not None:
-            raise RuntimeError(f"the {self.name} op cannot be built on this machine: {reason}")
-        if not ninja_available():
-            raise RuntimeError(f"building the {self.name} op just in time needs ninja (pip install ninja)")
-        from torch.utils import cpp_extension
-
-        build_dir = self.jit_build_dir()
-        os.makedirs(build_dir, exist_ok=True)
-        start = time.time()
-        with build_lock(build_dir):
-            path = cpp_extension.load(name=self.extension_name(),
-                                      sources=self._absolute_sources(),
-                                      extra_cflags=self.cxx_args(),
-                                      extra_ldflags=self.extra_ldflags(),
-                                      build_directory=build_dir,
-                                      with_cuda=False,
-                                      is_python_module=False,
-                                      verbose=False)
-        self.jit_mode = True
-        if verbose:
-            print(f"Loaded the {self.name} op (JIT, {time.time() - start:.1f} s) from {build_dir}")
-        return path
 
     def load_native(self, verbose=True):
         """The compiled library as a ``ctypes.CDLL`` (prebuilt, else built just in time; cached per process).

@@ -180,6 +180,7 @@ class OpBuilder:
 
     NAME = None
     BUILD_VAR = None
+    PYTHON_MODULE = True  # a Python extension (imported by jit_load); False: a plain shared library
     _loaded_ops = {}  # op name -> loaded module, shared by every builder instance of the process
 
     def __init__(self, name=None):
@@ -284,7 +285,8 @@ class OpBuilder:
         return os.path.join(jit_cache_root(), self.name, leaf)
 
     def jit_load(self, verbose=True):
-        """Build the op (or reuse its build folder) with torch's JIT builder and import it.
+        """Build the op (or reuse its build folder) with torch's JIT builder and import it (a builder whose
+        ``PYTHON_MODULE`` is False gets the built library's path instead).
 
         Raises RuntimeError with the reason when the op cannot be built here.
         """
@@ -307,6 +309,7 @@ class OpBuilder:
                                         extra_ldflags=self.extra_ldflags(),
                                         build_directory=build_dir,
                                         with_cuda=self.with_cuda(),
+                                        is_python_module=self.PYTHON_MODULE,
                                         verbose=False)
         self.jit_mode = True
         if verbose:
