@@ -174,6 +174,10 @@ class _Geometry:
         work = self.transport.all_reduce(send, spec.group)
         return work, send.narrow(0, spec.rank * chunk, chunk)
 
+    def reduce_replicas(self):
+        """Sum over the tensor-parallel group the gradients this geometry keeps partial for parameters replicated
+        over it (UnitGeometry's shards); the other geometries reduce those with the rest of their bucket."""
+
     def zero_window(self):
         if self.folder is not None:
             self.folder.new_window()  # lazy: each piece's next fold overwrites it

@@ -341,33 +341,6 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def after_forward(self):
         self.coordinator.end_of_first_forward()
 
-    # ---------------------------------------------------------------- ZenFlow
-    def finish_window(self):
-        super().finish_window()
-        self.geometry.reduce_replicas()  # tensor-parallel replicas of a parameter see sharded activations
-        if self.zenflow is not None:
-            self.zenflow.before_step()
-
-    def scale_grads(self, coef):
-        if self.zenflow is not None:  # ZenFlow applies the coefficient to what each part reads
-            self.zenflow.set_clip(coef)
-        else:
-            super().scale_grads(coef)
-
-    def set_epoch_length(self, steps):
-        if self.zenflow is not None:
-            self.zenflow.set_steps_per_epoch(steps)
-
-    def extra_state(self):
-        return self.zenflow.export_state() if self.zenflow is not None else None
-
-    def load_extra_state(self, state):
-        if self.zenflow is not None:
-            if state is None:
-                self.zenflow.reset()
-            else:
-                self.zenflow.import_state(state)
-
     def compiled(self):
         self.coordinator.reinstall_hooks()
 

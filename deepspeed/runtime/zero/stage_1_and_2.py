@@ -177,33 +177,6 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
             master.grad = part.to(torch.float32)
         return True
 
-    def finish_window(self):
-        super().finish_window()
-        if self.zenflow is not None:
-            self.zenflow.before_step()
-
-    def scale_grads(self, coef):
-        if self.zenflow is not None:  # ZenFlow applies the coefficient to what each part reads
-            self.zenflow.set_clip(coef)
-        else:
-            super().scale_grads(coef)
-
-    def set_epoch_length(self, steps):
-        if self.zenflow is not None:
-            self.zenflow.set_steps_per_epoch(steps)
-
-    def extra_state(self):
-        """State beside the masters and the inner optimizer that a checkpoint keeps (ZenFlow's), or None."""
-        return self.zenflow.export_state() if self.zenflow is not None else None
-
-    def load_extra_state(self, state):
-        """Restore :meth:`extra_state` after the masters and the optimizer were loaded (collective); None: reset."""
-        if self.zenflow is not None:
-            if state is None:
-                self.zenflow.reset()
-            else:
-                self.zenflow.import_state(state)
-
     def _masters_current(self):
         super()._masters_current()
         if self.host_step is not None:

@@ -147,10 +147,16 @@ class ZeroStage:
         """No backward reached this engine since the window began."""
         return self.pipeline.backward_count == 0
 
+    zenflow = None  # ZenFlow's step (``runtime/zenflow``) on stages 1-3 when the config enables it
+
     def finish_window(self):
-        """Complete every reduction of the window; the window gradient is then final."""
+        """Complete every reduction of the window; the window gradient is then final. In this order: the buckets,
+        then the tensor-parallel replicas the geometry keeps partial, then ZenFlow's reads of the final gradient."""
         self._norm = None
         self.pipeline.finish_window()
+        self.geometry.reduce_replicas()
+        if self.zenflow is not None:
+            self.zenflow.before_step()
 
     def global_grad_norm(self):
         """The window gradient's global L2 norm, a 0-dim float32 tensor on the device (cached until zeroed)."""
@@ -215,8 +221,12 @@ class ZeroStage:
         """Multiply the window gradient by ``coef`` (a 0-dim device tensor; clipping).
 
         With an offloaded step that applies the coefficient as it reads the gradient (``host_step.fuses_clip``,
-        a float32 window) the coefficient is kept for the step instead: the same products, no host pass.
+        a float32 window) the coefficient is kept for the step instead: the same products, no host pass. ZenFlow
+        applies the coefficient to what each of its parts reads.
         """
+        if self.zenflow is not None:
+            self.zenflow.set_clip(coef)
+            return
         host_step = getattr(self, "host_step", None)
         if host_step is not None and host_step.fuses_clip and self.config.accum_dtype == torch.float32:
             self._step_grad_scale = float(coef)
@@ -259,13 +269,21 @@ class ZeroStage:
 
     def set_epoch_length(self, steps):
         """The training data's epoch length in optimizer steps (ZenFlow's "epoch" selection strategy reads it)."""
+        if self.zenflow is not None:
+            self.zenflow.set_steps_per_epoch(steps)
 
     def extra_state(self):
         """State a checkpoint keeps beside the masters and the inner optimizer (ZenFlow's), or None."""
-        return None
+        return self.zenflow.export_state() if self.zenflow is not None else None
 
     def load_extra_state(self, state):
-        """Restore :meth:`extra_state` after the masters and optimizer were loaded (None: the checkpoint has none)."""
+        """Restore :meth:`extra_state` after the masters and optimizer were loaded (collective; None: the checkpoint
+        has none, and ZenFlow starts afresh)."""
+        if self.zenflow is not None:
+            if state is None:
+                self.zenflow.reset()
+            else:
+                self.zenflow.import_state(state)
 
     def _masters_current(self):
         """Before the fp32 masters or the optimizer state are read: wait for anything still updating them (the
