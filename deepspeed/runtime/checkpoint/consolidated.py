@@ -23,6 +23,12 @@ import deepspeed.comm as dist
 
 def consolidated_16bit_state_dict(module, stage, exclude_frozen_parameters=False):
     """See the module docstring; ``stage`` is the engine's ``StageCheckpoint`` (it gathers a parameter whole)."""
+    return walk_whole_state(module, stage.full_16bit_value, exclude_frozen_parameters)
+
+
+def walk_whole_state(module, whole_value, exclude_frozen_parameters=False):
+    """The walk of the module docstring, with ``whole_value(param)`` (a collective every rank calls, in the walk's
+    order) giving a parameter's whole value as rank 0 keeps it."""
     keep = not dist.is_initialized() or dist.get_rank() == 0
     state = OrderedDict() if keep else None
     first_name = {}  # parameter -> the name its tensor was stored under
@@ -36,7 +42,7 @@ def consolidated_16bit_state_dict(module, stage, exclude_frozen_parameters=False
                 if keep:
                     state[key] = state[first_name[param]]
                 continue
-            value = stage.full_16bit_value(param)  # collective: every rank gathers
+            value = whole_value(param)  # collective: every rank gathers
             first_name[param] = key
             if keep:
                 state[key] = value

@@ -17,12 +17,11 @@
   this rank's pieces.
 """
 
-from collections import OrderedDict
-
 import torch
 
 import deepspeed.comm as dist
 from deepspeed.module_inject.layers import TP_LAYOUT_ATTR, ShardLayout
+from deepspeed.runtime.checkpoint.consolidated import walk_whole_state
 
 TP_LAYOUT_KEY = "tensor_parallel_layout"  # model-states entry: {name: ShardLayout.to_dict()}
 TP_SIZE_KEY = "tensor_parallel_size"
@@ -96,35 +95,15 @@ def consolidated_state_dict(engine, exclude_frozen_parameters=False):
     group = groups.get_tensor_model_parallel_group()
     device = _comm_device()
     keep = not dist.is_initialized() or dist.get_rank() == 0
-    state = OrderedDict() if keep else None
-    first_name = {}
 
-    def visit(sub, prefix):
-        for name, param in sub.named_parameters(recurse=False):
-            if param is None or (exclude_frozen_parameters and not param.requires_grad):
-                continue
-            key = prefix + name
-            if param in first_name:
-                if keep:
-                    state[key] = state[first_name[param]]
-                continue
-            first_name[param] = key
-            value = stage.full_16bit_value(param) if stage is not None and hasattr(param, "ds_id") else param.detach()
-            layout = getattr(param, TP_LAYOUT_ATTR, None)
-            if layout is not None and layout.tp_size > 1:
-                value = gather_whole(value, layout, group, device)
-            if keep:
-                state[key] = value.detach().cpu().clone()
-        if keep:
-            for name, buf in sub.named_buffers(recurse=False):
-                if buf is not None and name not in sub._non_persistent_buffers_set:
-                    state[prefix + name] = buf.detach().cpu().clone()
-        for name, child in sub.named_children():
-            if child is not None:
-                visit(child, prefix + name + ".")
+    def whole_value(param):
+        value = stage.full_16bit_value(param) if stage is not None and hasattr(param, "ds_id") else param.detach()
+        layout = getattr(param, TP_LAYOUT_ATTR, None)
+        if layout is not None and layout.tp_size > 1:
+            value = gather_whole(value, layout, group, device)
+        return value.detach().cpu().clone() if keep else value
 
-    visit(module, "")
-    return state
+    return walk_whole_state(module, whole_value, exclude_frozen_parameters)
 
 
 def localize(module, values):
