@@ -7,7 +7,8 @@
 #
 # MODE one (one GPU, within PIPE_BENCH_BUDGET=145 seconds in all): the schedule machinery at pp 1 against plain
 #   training: torch, this package's engine, its pipeline with 1F1B and with ZB-H1, and, with UPSTREAM, upstream's
-#   engine and pipeline; two workloads (launch-bound small layers; a 0.24B decoder at seq 1024).
+#   engine and pipeline; two workloads (launch-bound small layers; a 0.24B decoder at seq 1024). PIPE_WORKLOADS
+#   ("launch medium") picks workloads; PIPE_CAP_OURS (45) and PIPE_CAP_UPSTREAM (30) cap each side's process (s).
 # MODE multi (every GPU of the host, NGPU of them): pp 2 and 4 (those that divide NGPU; the rest of the GPUs are
 #   data parallel), GAS 8 and 16: this package's 1F1B, interleaved 1F1B and ZB-H1, and upstream's 1F1B with
 #   UPSTREAM; one torchrun launch per system (at most 300 s each, all within PIPE_BENCH_BUDGET=580 seconds).
@@ -64,12 +65,13 @@ if [ "$MODE" = one ]; then
     # medium: 0.24B parameters at seq 1024 (the GPU is busy: what remains is the machinery's share).
     launch="--workload launch --d-model 512 --layers 8 --heads 8 --vocab 8192 --seq 256 --micro-batch 4 --gas 16"
     medium="--workload medium --d-model 1024 --layers 16 --heads 16 --vocab 32768 --seq 1024 --micro-batch 4 --gas 8"
-    for w in "$launch" "$medium"; do
-        run 45 "$PWD" python3 benchmarks/pipe_bench.py $w --warmup 3 --steps 10 $tiny ${tiny:+--gas 2} \
-            --systems torch,ds_engine,ds_pipe,ds_pipe_zb
+    for name in ${PIPE_WORKLOADS:-launch medium}; do
+        case $name in launch) w=$launch ;; medium) w=$medium ;; *) echo "unknown workload $name" >&2; exit 2 ;; esac
+        run "${PIPE_CAP_OURS:-45}" "$PWD" python3 benchmarks/pipe_bench.py $w --warmup 3 --steps 10 $tiny \
+            ${tiny:+--gas 2} --systems torch,ds_engine,ds_pipe,ds_pipe_zb
         if [ -n "$up_path" ]; then
-            run 30 "$up_path" python3 benchmarks/pipe_bench.py $w --warmup 3 --steps 10 $tiny ${tiny:+--gas 2} \
-                --systems upstream_engine,upstream_pipe
+            run "${PIPE_CAP_UPSTREAM:-30}" "$up_path" python3 benchmarks/pipe_bench.py $w --warmup 3 --steps 10 $tiny \
+                ${tiny:+--gas 2} --systems upstream_engine,upstream_pipe
         fi
     done
 else

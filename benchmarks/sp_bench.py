@@ -19,7 +19,7 @@ to ``--resolution`` tokens. A step that runs out of memory is followed by a fres
 bound each search (a step's time grows with the square of its length: a search stopped by time reports its longest
 success as a lower bound, ``capped``). Then the tokens/s of this implementation at ``--compare-at`` tokens (default:
 the upstream run's longest length when ``--impl both`` ran upstream first; else the longest success), from one
-step after a warm-up step. Every step's length, time, peak memory (``max_memory_allocated``) and outcome is
+step after a warm-up step (``--measure-steps N``: the median of N steps after it, each step's time recorded). Every step's length, time, peak memory (``max_memory_allocated``) and outcome is
 recorded.
 
 ``--impl both`` runs upstream first (its longest length sets the comparison length), then this package, each in
@@ -432,13 +432,20 @@ def search(args, impl):
     throughput = None
     if compare and not args.no_throughput:
         _trial(state, args, impl, compare)  # warm-up at this length
-        rec = _trial(state, args, impl, compare)
-        if rec["ok"]:
+        recs = [_trial(state, args, impl, compare) for _ in range(max(1, args.measure_steps))]
+        if all(r["ok"] for r in recs):
+            seconds = sorted(r["seconds"] for r in recs)
+            n = len(seconds)
+            median = seconds[n // 2] if n % 2 else (seconds[n // 2 - 1] + seconds[n // 2]) / 2
             throughput = {
                 "seq": compare,
-                "tokens_per_s": compare / rec["seconds"],
-                "seconds": rec["seconds"],
-                "peak_gib": rec["peak_gib"]
+                "tokens_per_s": compare / median,  # at the median measured step
+                "seconds": median,
+                "peak_gib": max((r["peak_gib"] for r in recs if r["peak_gib"] is not None), default=None),
+                "steps_seconds": [r["seconds"] for r in recs],  # each measured step, in order
+                "tokens_per_s_min": compare / seconds[-1],
+                "tokens_per_s_max": compare / seconds[0],
+                "losses": [r.get("loss") for r in recs],
             }
     device = _device(args)
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
@@ -538,7 +545,7 @@ def _child(args, impl, compare_at, out):
         env["PYTHONPATH"] = os.pathsep.join([args.upstream_path, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--out", out]
     for name in ("start", "cap", "resolution", "time_budget", "logits_tile", "trace_peak", "layers", "layer_tile",
-                 "lengths"):
+                 "lengths", "measure_steps"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--no-throughput"] if args.no_throughput else []
@@ -606,6 +613,11 @@ def main():
                         action="store_true",
                         help="this package without enable_recompute_in_backward on the norms")
     parser.add_argument("--no-throughput", action="store_true", help="skip the throughput steps after the search")
+    parser.add_argument("--measure-steps",
+                        type=int,
+                        default=1,
+                        help="measured steps at --compare-at after its warm-up step; tokens/s at their median, with "
+                        "each step's seconds and the fastest and slowest step's tokens/s beside")
     parser.add_argument("--trace-peak",
                         default="",
                         help="path prefix: record the steps at --compare-at and write what is live at their peak "
@@ -633,7 +645,9 @@ def main():
     for r in (upstream, ours):
         tp = r.get("throughput") or {}
         print(f"{r['impl']:>9}: longest {r['longest_ok']} tokens{' (capped)' if r['capped'] else ''}, first OOM "
-              f"{r['first_oom']}; at {tp.get('seq')} tokens: {tp.get('tokens_per_s')} tokens/s, peak "
+              f"{r['first_oom']}; deepspeed {r.get('deepspeed')}; at {tp.get('seq')} tokens: "
+              f"{tp.get('tokens_per_s')} tokens/s (median of {len(tp.get('steps_seconds', [])) or '-'} steps, "
+              f"{tp.get('tokens_per_s_min')}..{tp.get('tokens_per_s_max')}), peak "
               f"{tp.get('peak_gib')} GiB; projected limits: device {r.get('projected_device_limit')}, host "
               f"{r.get('projected_host_limit')} {r.get('error', '')}")
 

@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # The long-sequence comparison of docs/performance.md on one GPU (benchmarks/sp_bench.py), in pieces that each fit
 # one 10-minute call:
-#   bash benchmarks/sp_limit_bench.sh throughput OUT   # 16 layers: tokens/s at 128k, both (upstream first)
+#   bash benchmarks/sp_limit_bench.sh throughput OUT   # 16 layers: tokens/s at 128k, both (upstream first);
+#                                                      # MEASURE_STEPS=N: median of N measured steps a side (1)
 #   bash benchmarks/sp_limit_bench.sh slope OUT        # 1 layer + the other 15 layers' state held: peaks at 256k, 512k
 #   bash benchmarks/sp_limit_bench.sh limit-upstream OUT   # 1 layer + the other layers' device state and pinned
 #   bash benchmarks/sp_limit_bench.sh limit-ours OUT       #   host inputs held: steps at LENGTHS (comma-separated)
@@ -18,7 +19,8 @@ export MASTER_PORT=${MASTER_PORT:-29511}
 bench="python3 $here/benchmarks/sp_bench.py --upstream-path $up"
 case $mode in
 throughput)
-  $bench --impl both --start 65536 --cap 65536 --compare-at 131072 --out "$out/sp_throughput_128k.json" ;;
+  $bench --impl both --start 65536 --cap 65536 --compare-at 131072 --measure-steps "${MEASURE_STEPS:-1}" \
+    --out "$out/sp_throughput_128k.json" ;;
 slope)
   $bench --impl both --layers 1 --start 262144 --cap 524288 --no-throughput --out "$out/sp_slope_1layer.json" ;;
 limit-upstream)
