@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Optimizers and native ops.
 
-``adam`` (FusedAdam on torch's kernels, DeepSpeedCPUAdam on the host Adam op or torch's kernels), ``lamb``, the
+``adam`` (FusedAdam on torch's kernels, DeepSpeedCPUAdam on the host Adam op or torch's kernels), ``lion``
+(FusedLion, DeepSpeedCPULion), ``adagrad`` (DeepSpeedCPUAdagrad), ``lamb``, the
 op builders (``op_builder``) and ``__compatible_ops__``: op name -> whether the op can be built on this machine
 (upstream's name; computed on first access).
 """
 
-from deepspeed.ops import adam, lamb  # noqa: F401
+from deepspeed.ops import adagrad, adam, lamb, lion  # noqa: F401
 
 
 def __getattr__(name):

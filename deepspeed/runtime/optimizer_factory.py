@@ -9,7 +9,10 @@ Names follow upstream (case-insensitive):
 ``adamw``       :class:`~deepspeed.ops.adam.FusedAdam` with AdamW maths (``adam_w_mode``
                 cannot turn it off)
 ``sgd``         ``torch.optim.SGD``
-``adagrad``     ``torch.optim.Adagrad``
+``adagrad``     ``torch.optim.Adagrad``; :class:`~deepspeed.ops.adagrad.DeepSpeedCPUAdagrad` with
+                ``cpu_optimizer=True``
+``lion``        :class:`~deepspeed.ops.lion.FusedLion`; :class:`~deepspeed.ops.lion.DeepSpeedCPULion`
+                with ``cpu_optimizer=True``
 ==============  ============================================================================
 
 For ``adam``/``adamw``, ``torch_adam: true`` selects ``torch.optim.Adam`` / ``torch.optim.AdamW``
@@ -18,14 +21,16 @@ instead, and ``cpu_optimizer=True`` (optimizer offload) selects
 ``adam_w_mode`` are removed before the params reach a constructor. Any other name that is a
 ``torch.optim`` optimizer class (``"RMSprop"``, ``"NAdam"``...) builds that class, as upstream
 does. DeepSpeed's own optimizers that are not implemented here (``lamb``, the 1-bit and 0/1
-optimizers, ``lion``, ``muon``, the ``mu*`` family) raise NotImplementedError.
+optimizers, ``muon``, the ``mu*`` family) raise NotImplementedError.
 """
 
 import inspect
 
 import torch
 
+from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
 
 ADAGRAD_OPTIMIZER = 'adagrad'
 ADAM_OPTIMIZER = 'adam'
@@ -42,7 +47,7 @@ LION_OPTIMIZER = 'lion'
 MUON_OPTIMIZER = 'muon'
 
 UNSUPPORTED_OPTIMIZERS = (LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER,
-                          MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER)
+                          MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, MUON_OPTIMIZER)
 
 # Config-only keys of the adam/adamw params.
 TORCH_ADAM_PARAM = 'torch_adam'
@@ -62,8 +67,9 @@ def build_optimizer(name, params, optimizer_params=None, device_type=None, cpu_o
         device_type: where the parameters are stepped (``"cuda"``, ``"cpu"``...). On a
             non-CPU device, torch optimizers other than Adam get ``foreach=True`` unless the
             params choose ``foreach``/``fused`` themselves.
-        cpu_optimizer: optimizer states are offloaded; ``adam``/``adamw`` build
-            :class:`DeepSpeedCPUAdam`.
+        cpu_optimizer: optimizer states are offloaded; ``adam``/``adamw``, ``adagrad`` and ``lion``
+            build the host optimizers (:class:`DeepSpeedCPUAdam`, :class:`DeepSpeedCPUAdagrad`,
+            :class:`DeepSpeedCPULion`).
 
     Raises:
         ValueError: unknown name, ``max_grad_norm`` in the params (use ``gradient_clipping``),
@@ -79,19 +85,23 @@ def build_optimizer(name, params, optimizer_params=None, device_type=None, cpu_o
     if key in UNSUPPORTED_OPTIMIZERS:
         raise NotImplementedError(
             f'optimizer type {name!r} is not implemented by this DeepSpeed runtime; it is listed '
-            'as unsupported in docs/compatibility.md. Use "Adam", "AdamW", "SGD", "Adagrad", '
+            'as unsupported in docs/compatibility.md. Use "Adam", "AdamW", "SGD", "Adagrad", "Lion", '
             'another torch.optim class name, or pass an optimizer instance to initialize().')
     if key in (ADAM_OPTIMIZER, ADAMW_OPTIMIZER):
         return _build_adam(key, params, kwargs, cpu_optimizer)
+    if key == LION_OPTIMIZER:
+        return (DeepSpeedCPULion if cpu_optimizer else FusedLion)(params, **kwargs)
     if key == ADAGRAD_OPTIMIZER:
         # Upstream also accepts the adam-only keys here; they do not apply to Adagrad.
         kwargs.pop(TORCH_ADAM_PARAM, None)
         kwargs.pop(ADAM_W_MODE, None)
+        if cpu_optimizer:
+            return DeepSpeedCPUAdagrad(params, **kwargs)
 
     torch_class = _TORCH_CLASSES.get(key) or _torch_optimizer_class(name)
     if torch_class is None:
-        raise ValueError(f'Unknown optimizer type {name!r}: expected Adam, AdamW, SGD, Adagrad or a torch.optim '
-                         'optimizer class name')
+        raise ValueError(f'Unknown optimizer type {name!r}: expected Adam, AdamW, SGD, Adagrad, Lion or a '
+                         'torch.optim optimizer class name')
     if device_type not in (None, 'cpu') and _accepts(torch_class, 'foreach'):
         if 'foreach' not in kwargs and not kwargs.get('fused'):
             kwargs['foreach'] = True

@@ -2,8 +2,9 @@
 """Op builders, by upstream's class names: ``from deepspeed.ops.op_builder import CPUAdamBuilder``.
 
 ``CPUAdamBuilder`` (the host Adam op), ``GradOpsBuilder`` (the gradient pipeline's CUDA kernels) and
-``AsyncIOBuilder`` (asynchronous file I/O, the disk tier of offload) build real ops; every other upstream builder is
-here so that code probing for it works, and reports itself not compatible (``deepspeed.ops.op_builder.unsupported``).
+``AsyncIOBuilder`` (asynchronous file I/O, the disk tier of offload) build real ops; ``fused_adam``, ``fused_lion``,
+``cpu_lion`` and ``cpu_adagrad`` are implemented in torch (``torch_ops``); every other upstream builder is here so
+that code probing for it works, and reports itself not compatible (``deepspeed.ops.op_builder.unsupported``).
 ``ALL_OPS`` maps op names to builder instances. The package imports nothing but the standard library at import time,
 so ``setup.py`` loads it without importing ``deepspeed``.
 """
@@ -14,12 +15,13 @@ from .builder import (  # noqa: F401
     CUDAOpBuilder, OpBuilder, TorchCPUOpBuilder, UnsupportedOpBuilder, get_default_compute_capabilities)
 from .cpu_adam import CPUAdamBuilder  # noqa: F401
 from .grad_ops import GradOpsBuilder  # noqa: F401
-from .torch_ops import FusedAdamBuilder, TorchImplementedOpBuilder  # noqa: F401
+from .torch_ops import (  # noqa: F401
+    CPUAdagradBuilder, CPULionBuilder, FusedAdamBuilder, FusedLionBuilder, TorchImplementedOpBuilder)
 from .unsupported import (  # noqa: F401
-    CPUAdagradBuilder, CPULionBuilder, DeepCompileBuilder, EvoformerAttnBuilder, FPQuantizerBuilder, FusedLambBuilder,
-    FusedLionBuilder, GDSBuilder, InferenceBuilder, InferenceCoreBuilder, InferenceCutlassBuilder,
-    NotImplementedBuilder, PinMemoryBuilder, QuantizerBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, RandomLTDBuilder,
-    SparseAttnBuilder, SpatialInferenceBuilder, StochasticTransformerBuilder, TransformerBuilder)
+    DeepCompileBuilder, EvoformerAttnBuilder, FPQuantizerBuilder, FusedLambBuilder, GDSBuilder, InferenceBuilder,
+    InferenceCoreBuilder, InferenceCutlassBuilder, NotImplementedBuilder, PinMemoryBuilder, QuantizerBuilder,
+    RaggedOpsBuilder, RaggedUtilsBuilder, RandomLTDBuilder, SparseAttnBuilder, SpatialInferenceBuilder,
+    StochasticTransformerBuilder, TransformerBuilder)
 
 # Upstream's accelerators look for this marker to tell its op builders from a third party's.
 __deepspeed__ = True

@@ -40,4 +40,26 @@ class FusedAdamBuilder(TorchImplementedOpBuilder):
     MODULE = "deepspeed.ops.adam.fused_adam_op"
 
 
-TORCH_BUILDERS = [FusedAdamBuilder]
+class FusedLionBuilder(TorchImplementedOpBuilder):
+    """``fused_lion``: ``multi_tensor_lion`` on torch's foreach kernels (``deepspeed.ops.lion.fused_lion_op``)."""
+    NAME = "fused_lion"
+    BUILD_VAR = "DS_BUILD_FUSED_LION"
+    MODULE = "deepspeed.ops.lion.fused_lion_op"
+
+
+class CPULionBuilder(TorchImplementedOpBuilder):
+    """``cpu_lion``: ``create_lion`` / ``lion_update`` / ``destroy_lion`` (``deepspeed.ops.lion.cpu_lion_op``)."""
+    NAME = "cpu_lion"
+    BUILD_VAR = "DS_BUILD_CPU_LION"
+    MODULE = "deepspeed.ops.lion.cpu_lion_op"
+
+
+class CPUAdagradBuilder(TorchImplementedOpBuilder):
+    """``cpu_adagrad``: ``create_adagrad`` / ``adagrad_update`` / ``destroy_adagrad``
+    (``deepspeed.ops.adagrad.cpu_adagrad_op``)."""
+    NAME = "cpu_adagrad"
+    BUILD_VAR = "DS_BUILD_CPU_ADAGRAD"
+    MODULE = "deepspeed.ops.adagrad.cpu_adagrad_op"
+
+
+TORCH_BUILDERS = [FusedAdamBuilder, FusedLionBuilder, CPULionBuilder, CPUAdagradBuilder]

@@ -22,24 +22,6 @@ class FusedLambBuilder(UnsupportedOpBuilder):
     REASON = "deepspeed.ops.lamb.FusedLamb runs on torch tensor operations, which need no separate op"
 
 
-class FusedLionBuilder(UnsupportedOpBuilder):
-    NAME = "fused_lion"
-    BUILD_VAR = "DS_BUILD_FUSED_LION"
-    REASON = "the Lion optimizer is not provided; use a torch optimizer"
-
-
-class CPUAdagradBuilder(UnsupportedOpBuilder):
-    NAME = "cpu_adagrad"
-    BUILD_VAR = "DS_BUILD_CPU_ADAGRAD"
-    REASON = "DeepSpeedCPUAdagrad is not provided; use torch.optim.Adagrad"
-
-
-class CPULionBuilder(UnsupportedOpBuilder):
-    NAME = "cpu_lion"
-    BUILD_VAR = "DS_BUILD_CPU_LION"
-    REASON = "DeepSpeedCPULion is not provided; use a torch optimizer"
-
-
 class EvoformerAttnBuilder(UnsupportedOpBuilder):
     NAME = "evoformer_attn"
     BUILD_VAR = "DS_BUILD_EVOFORMER_ATTN"
@@ -138,9 +120,8 @@ class NotImplementedBuilder(UnsupportedOpBuilder):
 
 
 UNSUPPORTED_BUILDERS = [
-    GDSBuilder, FusedLambBuilder, FusedLionBuilder, CPUAdagradBuilder, CPULionBuilder, EvoformerAttnBuilder,
-    FPQuantizerBuilder, QuantizerBuilder, RandomLTDBuilder, SparseAttnBuilder, TransformerBuilder,
-    StochasticTransformerBuilder, InferenceBuilder, SpatialInferenceBuilder, InferenceCoreBuilder,
-    InferenceCutlassBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, DeepCompileBuilder, PinMemoryBuilder,
-    NotImplementedBuilder
+    GDSBuilder, FusedLambBuilder, EvoformerAttnBuilder, FPQuantizerBuilder, QuantizerBuilder, RandomLTDBuilder,
+    SparseAttnBuilder, TransformerBuilder, StochasticTransformerBuilder, InferenceBuilder, SpatialInferenceBuilder,
+    InferenceCoreBuilder, InferenceCutlassBuilder, RaggedOpsBuilder, RaggedUtilsBuilder, DeepCompileBuilder,
+    PinMemoryBuilder, NotImplementedBuilder
 ]

@@ -4,7 +4,9 @@
 import pytest
 import torch
 
+from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
 from deepspeed.runtime.optimizer_factory import UNSUPPORTED_OPTIMIZERS, build_optimizer
 
 
@@ -80,12 +82,26 @@ def test_sgd_keeps_explicit_kernel_choice():
     assert optimizer.param_groups[0]['foreach'] is False
 
 
-@pytest.mark.parametrize('cpu_optimizer', [False, True])
-def test_adagrad(cpu_optimizer):
+def test_adagrad():
     config = {'lr': 0.05, 'lr_decay': 0.01, 'torch_adam': False}
-    optimizer = build_optimizer('Adagrad', params(), config, 'cpu', cpu_optimizer=cpu_optimizer)
+    optimizer = build_optimizer('Adagrad', params(), config, 'cpu')
     assert type(optimizer) is torch.optim.Adagrad
     assert (optimizer.param_groups[0]['lr'], optimizer.param_groups[0]['lr_decay']) == (0.05, 0.01)
+    # optimizer offload: the host Adagrad, as upstream (its constructor has no lr_decay)
+    optimizer = build_optimizer('adagrad', params(), {'lr': 0.05, 'eps': 1e-8}, 'cpu', cpu_optimizer=True)
+    assert type(optimizer) is DeepSpeedCPUAdagrad
+    assert (optimizer.param_groups[0]['lr'], optimizer.param_groups[0]['eps']) == (0.05, 1e-8)
+    with pytest.raises(TypeError, match='lr_decay'):
+        build_optimizer('Adagrad', params(), config, 'cpu', cpu_optimizer=True)
+
+
+@pytest.mark.parametrize('cpu_optimizer,cls', [(False, FusedLion), (True, DeepSpeedCPULion)])
+def test_lion(cpu_optimizer, cls):
+    config = {'lr': 2e-4, 'betas': [0.8, 0.95], 'weight_decay': 0.1}
+    optimizer = build_optimizer('Lion', params(), config, 'cuda', cpu_optimizer=cpu_optimizer)
+    assert type(optimizer) is cls
+    group = optimizer.param_groups[0]
+    assert (group['lr'], tuple(group['betas']), group['weight_decay']) == (2e-4, (0.8, 0.95), 0.1)
 
 
 @pytest.mark.parametrize('name', ['RMSprop', 'rmsprop', 'NAdam'])
