@@ -106,9 +106,6 @@ class ZenFlowConfig(ConfigSection):
         interval = values.get("select_interval", AUTO)
         update = values.get("update_interval", AUTO)
         key = f"{path}.{spelled.get('select_interval', 'select_interval')}"
-        if strategy == "auto" and interval != AUTO:
-            raise DeepSpeedConfigError(f"config key '{key}' = {interval} needs '{path}.select_strategy' \"step\" or "
-                                       f"\"epoch\": with strategy \"auto\" the selection is made once per epoch")
         if strategy != "auto" and interval == AUTO:
             raise DeepSpeedConfigError(f"config key '{path}.select_strategy' \"{strategy}\" needs a number for "
                                        f"'{key}' (how many {strategy}s between selections)")
@@ -197,6 +194,11 @@ def check_zenflow_stage(cfg, stage, offload_optimizer):
     """NotImplementedError / ValueError unless ZenFlow can run on this stage (a pure check: every rank raises)."""
     if cfg is None:
         return
+    if cfg.select_strategy == "auto" and cfg.select_interval != AUTO:
+        # the section parses (as upstream's); building the engine refuses it, as upstream's does
+        raise DeepSpeedConfigError(f"config key 'zero_optimization.zenflow.select_interval' = {cfg.select_interval} "
+                                   "needs 'zero_optimization.zenflow.select_strategy' \"step\" or \"epoch\": with "
+                                   "strategy \"auto\" the selection is made once per epoch")
     if stage not in (1, 2, 3):
         raise ValueError(f"zero_optimization.zenflow needs ZeRO stage 1, 2 or 3, got stage {stage}")
     if offload_optimizer != "cpu":
