@@ -51,7 +51,8 @@ from torch.autograd import Variable
 from deepspeed.runtime import compiler
 from deepspeed.runtime.backward import registry
 from deepspeed.runtime.backward.ownership import tensors_in
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.parameter_offload import ensure_zero_ordered_dict, restore_parameters_dict
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, init_external_params
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.transport import DEFAULT_TRANSPORT, wait
 from deepspeed.utils.z3_leaf_module import z3_leaf_module
@@ -122,6 +123,11 @@ class UnitCoordinator:
         self._position = {}
         self._unsessioned_task = None  # a graph task with no session whose end releases its holds
         self._empties = {}
+        self._unit_of_param = {p: u for u in units for p in u.params}
+        # Hooked module -> the units its hooks gather (one list object, shared by its pre-forward, post-forward and
+        # pre-backward hooks, so a unit registered while the module runs is covered from then on).
+        self._module_units = {}
+        self._forward_stack = []  # the hooked modules whose forward is running, innermost last
         for unit in units:
             if unit.leaf is not None:
                 pipeline.hold(unit.index)
@@ -129,10 +135,13 @@ class UnitCoordinator:
 
     # ----------------------------------------------------------------- hooks
     def _install_hooks(self):
-        unit_of_param = {p: u for u in self.units for p in u.params}
+        unit_of_param = self._unit_of_param
         leaf_units = {u.leaf: u for u in self.units if u.leaf is not None}
         inside_leaf = {sub for leaf in leaf_units for sub in leaf.modules() if sub is not leaf}
+        self._module_units = {}
         for module in self.module.modules():
+            init_external_params(module)
+            ensure_zero_ordered_dict(module, self)
             if module in inside_leaf:
                 continue  # a leaf's subtree runs inside the leaf's forward, which gathered it whole
             units = []
@@ -141,14 +150,15 @@ class UnitCoordinator:
                     units.append(unit)
             subtree = list(module.modules()) if module in leaf_units else [module]
             own = [p for sub in subtree for p in sub.parameters(recurse=False)]
-            own += [p for sub in subtree for p in getattr(sub, "_ds_external_params", [])]
+            own += [p for sub in subtree for p in sub._external_params.values()]
             for param in own:
                 unit = unit_of_param.get(param)
                 if unit is not None and unit not in units:
                     units.append(unit)
             units = [u for u in units if not u.persistent]
-            if not units:
+            if not units and module is not self.module:  # the root is always hooked: it opens the forward
                 continue
+            self._module_units[module] = units
             self._handles.append(module.register_forward_pre_hook(self._hook(self._pre_forward, units)))
             self._handles.append(module.register_forward_hook(self._hook(self._post_forward, units)))
             if module in leaf_units:
@@ -165,9 +175,12 @@ class UnitCoordinator:
         return compiler.disable(hook)
 
     def remove_hooks(self):
+        """Remove the module hooks; the modules' parameter dicts are plain dicts again."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for module in self.module.modules():
+            restore_parameters_dict(module)
 
     def reinstall_hooks(self):
         """Install the module hooks again (after torch.compile was loaded, so that they are marked for it)."""
@@ -184,15 +197,52 @@ class UnitCoordinator:
             for unit in units:
                 self.gather(unit)
             return
+        if module is self.module:
+            # a forward of the whole model begins: a stack left by a forward that raised is dropped, and modules
+            # attached since the last forward get the gathering parameter dict too (upstream's prologue)
+            self._forward_stack.clear()
+            for sub in module.modules():
+                ensure_zero_ordered_dict(sub, self)
+        self._forward_stack.append(module)
         with ds_range("DS::gather"):
             for unit in units:
-                unit.fwd_refs += 1
-                self.gather(unit)
-                if self._tracing and unit.index not in self._position:
-                    self._position[unit.index] = len(self._trace)
-                    self._trace.append(unit)
-                elif not self._tracing:
-                    self._prefetch_after(unit, forward=True)
+                self._use_in_forward(unit)
+
+    def _use_in_forward(self, unit):
+        """A forward reference on ``unit``, which is gathered (traced on the first forward, else prefetched after)."""
+        unit.fwd_refs += 1
+        self.gather(unit)
+        if self._tracing and unit.index not in self._position:
+            self._position[unit.index] = len(self._trace)
+            self._trace.append(unit)
+        elif not self._tracing:
+            self._prefetch_after(unit, forward=True)
+
+    def gather_on_access(self, param):
+        """``param`` (released) was read from its module's parameter dict (``ZeROOrderedDict``).
+
+        In a forward it is an external parameter of the innermost hooked module running: its unit joins that
+        module's units (gathered by its hooks from now on, held for its backward) and is gathered now, as
+        upstream registers and gathers it. In a recompute inside the backward it is gathered (the backward's
+        epilogue releases it). Outside a forward nothing is gathered: the parameter reads as released."""
+        unit = self._unit_of_param.get(param)
+        if unit is None or unit.persistent:
+            return
+        if torch._C._current_graph_task_id() >= 0:
+            self.gather(unit)
+            return
+        if not self._forward_stack:
+            return
+        self._register_external(self._forward_stack[-1], param, unit)
+
+    def _register_external(self, module, param, unit):
+        module._external_params[id(param)] = param
+        units = self._module_units[module]
+        if unit not in units:
+            units.append(unit)
+            self._use_in_forward(unit)  # the module's post-forward hook drops this reference
+        else:
+            self.gather(unit)
 
     def _leaf_inputs(self, unit, module, args, kwargs):
         # The leaf's backward is over once the gradient of every input that needs one is complete: a
@@ -229,6 +279,9 @@ class UnitCoordinator:
 
     def _post_forward(self, units, module, inputs, output):
         if torch._C._current_graph_task_id() < 0:
+            if self._forward_stack and self._forward_stack[-1] is module:
+                self._forward_stack.pop()
+                self._hand_returned_params(module, output)
             for unit in units:
                 unit.fwd_refs -= 1
         if torch.is_grad_enabled():
@@ -239,6 +292,22 @@ class UnitCoordinator:
                     t.register_hook(hook)
         for unit in units:
             self._maybe_release(unit)
+
+    def _hand_returned_params(self, module, output):
+        """A parameter ``module`` returns is used by its caller: it becomes an external parameter of the innermost
+        hooked module still running, unless one of those already has it (upstream's rule), and stops being one of
+        ``module``'s own externals."""
+        if not self._forward_stack:
+            return
+        for tensor in tensors_in(output):
+            param = tensor if hasattr(tensor, "ds_id") else getattr(tensor, "ds_param_alias", None)
+            unit = self._unit_of_param.get(param)
+            if unit is None or unit.persistent:
+                continue
+            if any(id(param) in m._external_params for m in self._forward_stack):
+                continue
+            self._register_external(self._forward_stack[-1], param, unit)
+            module._external_params.pop(id(param), None)
 
     def _pre_backward(self, units, grad):
         session = registry.session_for_current_task()

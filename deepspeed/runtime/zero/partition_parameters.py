@@ -457,17 +457,26 @@ def _shards_current(params):
             current()
 
 
+def init_external_params(module):
+    """Give ``module`` its ``_external_params`` dict (``id(param) -> param``), upstream's attribute, if it has none."""
+    if not hasattr(module, "_external_params"):
+        module._external_params = {}
+
+
+_init_external_params = init_external_params  # upstream's name
+
+
 def register_external_parameter(module, parameter):
-    """Declare that ``module``'s forward uses ``parameter`` (owned by another module): it is gathered with it."""
-    if not hasattr(module, "_ds_external_params"):
-        module._ds_external_params = []
-    module._ds_external_params.append(parameter)
+    """Declare that ``module``'s forward uses ``parameter`` (owned by another module): it is gathered with it.
+
+    Declared before ``deepspeed.initialize``, the parameter is gathered by ``module``'s hooks from the first forward;
+    an undeclared one is registered when a forward first reads it (``parameter_offload.ZeROOrderedDict``)."""
+    init_external_params(module)
+    module._external_params[id(parameter)] = parameter
 
 
 def unregister_external_parameter(module, parameter):
-    external = getattr(module, "_ds_external_params", [])
-    if parameter in external:
-        external.remove(parameter)
+    getattr(module, "_external_params", {}).pop(id(parameter), None)
 
 
 # Upstream's zero.Init swaps torch.nn.functional.linear for this; here parameters keep their storage object across
