@@ -9,8 +9,13 @@ ran with (so an outer autocast region cannot change the backward's precision). T
 output has the autocast dtype, as a ``torch.nn.Linear``'s has. Under this runtime's ZeRO-3
 a released parameter keeps its storage object (emptied, refilled by the next gather), so torch's own
 ``Linear`` is already safe there; this layer exists for code that names it.
+
+``autocast_custom_fwd`` / ``autocast_custom_bwd`` (upstream's names) are torch's ``torch.amp.custom_fwd`` /
+``custom_bwd`` bound to the accelerator's device type, for code that decorates its own autograd functions with them
+(``noop_decorator`` on a torch without them).
 """
 
+import functools
 import math
 
 import torch
@@ -24,6 +29,19 @@ _torch_linear = torch.nn.functional.linear  # taken at import: code that patches
 def _device_type():
     name = get_accelerator().device_name()
     return name.split(":")[0]
+
+
+def noop_decorator(func):
+    return func
+
+
+if hasattr(torch, "amp") and hasattr(torch.amp, "custom_fwd"):
+    autocast_custom_fwd = functools.partial(torch.amp.custom_fwd, device_type=_device_type())
+    autocast_custom_bwd = functools.partial(torch.amp.custom_bwd, device_type=_device_type())
+else:  # torch < 2.4: the device module's decorators, where it has them
+    _legacy_amp = getattr(getattr(torch, _device_type(), None), "amp", None)
+    autocast_custom_fwd = getattr(_legacy_amp, "custom_fwd", noop_decorator)
+    autocast_custom_bwd = getattr(_legacy_amp, "custom_bwd", noop_decorator)
 
 
 class LinearFunctionForZeroStage3(torch.autograd.Function):

@@ -96,6 +96,43 @@ def test_zero3_linear_follows_autocast(shape, dtype):
         assert layer(x).dtype == torch.float32
 
 
+def test_autocast_custom_decorators():
+    """Upstream's ``autocast_custom_fwd`` / ``_bwd``: torch.amp's decorators bound to the accelerator's device type;
+    a custom function decorated with them runs its forward under the caller's autocast and its backward under the
+    same state, as torch.amp documents."""
+    import functools
+    from deepspeed.runtime.zero import linear as zero_linear
+    assert isinstance(zero_linear.autocast_custom_fwd, functools.partial)
+    assert zero_linear.autocast_custom_fwd.func is torch.amp.custom_fwd
+    assert zero_linear.autocast_custom_bwd.func is torch.amp.custom_bwd
+    assert zero_linear.autocast_custom_fwd.keywords == {"device_type": "cpu"}
+
+    seen = {}
+
+    class Matmul(torch.autograd.Function):
+
+        @staticmethod
+        @zero_linear.autocast_custom_fwd
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a @ b
+
+        @staticmethod
+        @zero_linear.autocast_custom_bwd
+        def backward(ctx, grad):
+            seen["autocast"] = torch.is_autocast_enabled("cpu")
+            a, b = ctx.saved_tensors
+            return grad @ b.t(), a.t() @ grad
+
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = Matmul.apply(a, b)
+        assert out.dtype == torch.bfloat16  # the forward ran under the caller's autocast
+    out.float().sum().backward()
+    assert seen["autocast"] is True  # the backward, outside the region, ran under the forward's state
+    torch.testing.assert_close(a.grad, torch.ones(3, 2) @ b.t(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("shape", [(5, ), (3, 5), (2, 3, 5)])
 def test_zero3_linear_backward_autocast_and_torch_func(shape):
     """The backward of an fp32 forward is not changed by an autocast region around it; torch.func.grad and vmap
