@@ -28,7 +28,7 @@ from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig, get_log_level
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.instrumentation import EngineInstrumentation
-from deepspeed.runtime.optimizer_factory import build_optimizer
+from deepspeed.runtime.optimizer_factory import build_optimizer, check_client_offload_optimizer
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
 from deepspeed.runtime.precision import module_cast
 from deepspeed.runtime.precision.overflow import report_skipped_step
@@ -147,6 +147,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if self.basic_optimizer is not None:
             self._configure_stage()
             self._instruments.attach_stage(self._stage)
+        elif cfg.zero_optimization_stage == 3:
+            self._configure_evaluation_stage()
         self._audit = AuditSchedule(self, cfg.gradient_audit_config)
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
@@ -222,14 +224,16 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                    self.device.type,
                                    cpu_optimizer=self._offload_optimizer_device() in ("cpu", "nvme"))
         if isinstance(client_optimizer, torch.optim.Optimizer):
-            return client_optimizer
-        if callable(client_optimizer):
+            built = client_optimizer
+        elif callable(client_optimizer):
             built = client_optimizer(params)
             if not isinstance(built, torch.optim.Optimizer):
                 raise TypeError(f"the optimizer callable returned {type(built).__name__}, not a torch optimizer")
-            return built
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable(params), not "
-                        f"{type(client_optimizer).__name__}")
+        else:
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable(params), not "
+                            f"{type(client_optimizer).__name__}")
+        check_client_offload_optimizer(built, self._offload_optimizer_device(), cfg.zero_force_ds_cpu_optimizer)
+        return built
 
     def _offload_optimizer_device(self):
         device = self._config.zero_config.offload_optimizer_device
@@ -263,6 +267,22 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self._unused_check = None
         if cfg.zero_optimization_stage in (1, 2, 3) and not cfg.zero_config.ignore_unused_parameters:
             self._unused_check = UnusedParameterCheck(self.module, self.data_parallel_group, self.device)
+
+    def _configure_evaluation_stage(self):
+        """ZeRO-3 without an optimizer (evaluation, as upstream's parameter-offload-only engine): the parameters are
+        partitioned and gathered around each module's forward by the stage, which steps nothing (an internal
+        optimizer with no parameters: every parameter is frozen); ``engine.optimizer`` stays None."""
+        cfg = self._config
+        nothing = torch.optim.SGD([{"params": []}], lr=0.0)
+        self._stage = build_stage(StageConfig.from_ds_config(cfg, self._dtype),
+                                  self.module,
+                                  nothing,
+                                  self.window,
+                                  device=self.device,
+                                  group=self.data_parallel_group,
+                                  reduction=self._reduction_plan)
+        self._ownership = ownership.Ownership(self._stage)
+        self._unused_check = None
 
     def _build_lr_scheduler(self, client_scheduler):
         cfg = self._config

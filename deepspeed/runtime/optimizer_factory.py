@@ -150,3 +150,22 @@ def _accepts(cls, argument):
         return argument in inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
         return False
+
+
+# Upstream's message names the config key that allows a client optimizer with optimizer offload.
+_CLIENT_OFFLOAD_OPTIMIZER = (
+    "You are using ZeRO-Offload with a client provided optimizer ({name}), which steps the offloaded states with "
+    "torch's CPU kernels. Use deepspeed.ops.adam.DeepSpeedCPUAdam (or DeepSpeedCPULion), or set an optimizer in the "
+    "config's \"optimizer\" section; to keep this optimizer, set \"zero_force_ds_cpu_optimizer\": false.")
+
+
+def check_client_offload_optimizer(optimizer, offload_device, force_ds_cpu_optimizer):
+    """Upstream's ``zero_force_ds_cpu_optimizer`` (default true): with optimizer offload (``cpu``/``nvme``), a
+    client optimizer other than ``DeepSpeedCPUAdam`` / ``DeepSpeedCPULion`` raises ``ZeRORuntimeException``
+    (every rank: the same config and optimizer type), unless the key is false."""
+    if offload_device not in ("cpu", "nvme") or not force_ds_cpu_optimizer:
+        return
+    if isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion)):
+        return
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+    raise ZeRORuntimeException(_CLIENT_OFFLOAD_OPTIMIZER.format(name=type(optimizer).__name__))

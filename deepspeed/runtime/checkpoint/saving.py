@@ -43,7 +43,7 @@ from deepspeed.utils.logging import logger
 def check_stage(engine, what):
     """NotImplementedError for stages this checkpoint code does not handle (the same on every rank)."""
     stage = engine.zero_optimization_stage()
-    if stage == 3 and engine._stage is None:
+    if stage == 3 and engine.optimizer is None:
         raise NotImplementedError(f"{what}: ZeRO stage 3 checkpoints need an optimizer")
     if stage not in (0, 1, 2, 3):
         raise NotImplementedError(f"{what}: unknown ZeRO stage {stage}")

@@ -132,3 +132,51 @@ def test_unknown_and_invalid():
         build_optimizer('Adam', params(), {'lr': 0.1, 'max_grad_norm': 1.0}, 'cpu')
     with pytest.raises(ValueError, match='optimizer.params.lr'):
         build_optimizer('AdamW', params(), {'lr': 'auto'}, 'cpu')
+
+
+def test_client_optimizer_with_offload_needs_the_ds_cpu_optimizer():
+    """Upstream's zero_force_ds_cpu_optimizer (default true): a client optimizer other than DeepSpeedCPUAdam /
+    DeepSpeedCPULion with optimizer offload raises ZeRORuntimeException, unless the key is false."""
+    from deepspeed.runtime.optimizer_factory import check_client_offload_optimizer
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+    adam = torch.optim.Adam(params())
+    for device in ("cpu", "nvme"):
+        with pytest.raises(ZeRORuntimeException, match='"zero_force_ds_cpu_optimizer": false'):
+            check_client_offload_optimizer(adam, device, True)
+    check_client_offload_optimizer(adam, "cpu", False)
+    check_client_offload_optimizer(adam, "none", True)
+    check_client_offload_optimizer(DeepSpeedCPUAdam(params()), "cpu", True)
+    check_client_offload_optimizer(DeepSpeedCPULion(params()), "nvme", True)
+    with pytest.raises(ZeRORuntimeException):
+        check_client_offload_optimizer(DeepSpeedCPUAdagrad(params()), "cpu", True)  # as upstream
+
+
+def _initialize_with_client_optimizer(force, client):
+    import deepspeed
+    model = torch.nn.Linear(3, 2)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {
+                "device": "cpu"
+            }
+        }
+    }
+    if force is not None:
+        config["zero_force_ds_cpu_optimizer"] = force
+    optimizer = torch.optim.Adam(model.parameters()) if client == "instance" else (lambda p: torch.optim.SGD(p, 0.1))
+    try:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    except Exception as exc:  # noqa: BLE001 -- the type is the assertion
+        return type(exc).__name__
+    engine.destroy()
+    return "ok"
+
+
+@pytest.mark.parametrize("force,client,expected", [(None, "instance", "ZeRORuntimeException"),
+                                                   (None, "callable", "ZeRORuntimeException"),
+                                                   (False, "instance", "ok")])
+def test_initialize_refuses_client_optimizer_with_offload(force, client, expected):
+    from tests.unit.common import run_distributed
+    assert run_distributed(_initialize_with_client_optimizer, 2, args=(force, client), timeout=60) == [expected] * 2
