@@ -201,6 +201,7 @@ class UnitCoordinator:
             # a forward of the whole model begins: a stack left by a forward that raised is dropped, and modules
             # attached since the last forward get the gathering parameter dict too (upstream's prologue)
             self._forward_stack.clear()
+            self._regather_persistent()
             for sub in module.modules():
                 ensure_zero_ordered_dict(sub, self)
         self._forward_stack.append(module)
@@ -310,6 +311,7 @@ class UnitCoordinator:
             module._external_params.pop(id(param), None)
 
     def _pre_backward(self, units, grad):
+        self._regather_persistent()  # released by empty_partition_cache after the forward that built this graph
         session = registry.session_for_current_task()
         if session is not None:
             session.factor_for(self.pipeline)
@@ -379,13 +381,27 @@ class UnitCoordinator:
             if unit.state is UnitState.GATHERED:
                 self._release(unit)
 
-    def release_unused(self):
-        """Release every unit nothing holds (no forward reference, no backward hold, not persistent); a gather in
-        flight is completed first, so its collective is matched on every rank."""
+    def release_unused(self, persistent=False):
+        """Release every unit nothing holds (no forward reference, no backward hold; persistent ones too with
+        ``persistent``: they are gathered again when the next forward or backward begins); a gather in flight is
+        completed first, so its collective is matched on every rank."""
         for unit in self.units:
-            if unit.state is UnitState.GATHERING and not unit.persistent:
+            if unit.state is UnitState.GATHERING and (persistent or not unit.persistent):
                 self._finish_gather(unit)
+            if persistent and unit.persistent and unit.state is UnitState.GATHERED:
+                self._release(unit)
+                self._persistent_released = True
             self._maybe_release(unit)
+
+    _persistent_released = False
+
+    def _regather_persistent(self):
+        """Gather the persistent units again after :meth:`release_unused` released them."""
+        if self._persistent_released:
+            self._persistent_released = False
+            for unit in self.units:
+                if unit.persistent:
+                    self.gather(unit)
 
     def _maybe_release(self, unit):
         if unit.state is UnitState.GATHERED and unit.fwd_refs <= 0 and not unit.bwd_hold and not unit.persistent:

@@ -355,10 +355,11 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     shards_current = _step_done  # what ``GatheredParameters`` calls before it reads or writes ``ds_tensor``
 
     def empty_partition_cache(self):
-        """Release every gathered unit no forward or backward holds (a prefetch in flight is completed first);
-        persistent units (under ``stage3_param_persistence_threshold``) stay gathered, as always."""
+        """Release every gathered unit no forward or backward holds (a prefetch in flight is completed first),
+        persistent units (under ``stage3_param_persistence_threshold``) included, as upstream: those are gathered
+        again when the next forward or backward begins."""
         self._step_done()
-        self.coordinator.release_unused()
+        self.coordinator.release_unused(persistent=True)
 
     def _state_dict_pre_hook(self, *_args, **_kwargs):
         self._step_done()

@@ -155,14 +155,15 @@ def empty_partition_cache_worker(stage, persistence):
         for unit in engine._stage.coordinator.units:
             engine._stage.coordinator.gather(unit)
     engine.empty_partition_cache()
-    if stage == 3:
+    if stage == 3:  # persistent units too, as upstream (gathered again when the next forward begins)
         for param in engine.module.parameters():
-            persistent = param.ds_numel < persistence
-            assert (param.ds_status == ZeroParamStatus.AVAILABLE) == persistent, (param.ds_shape, persistent)
-            assert param.numel() == (param.ds_numel if persistent else 0)
-    for step in range(2):
+            assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.numel() == 0, param.ds_shape
+    for step in range(3):
         x = torch.randn(2 * world, 6, generator=torch.Generator().manual_seed(step))
-        engine.backward(engine(x[2 * dist.get_rank():2 * dist.get_rank() + 2]).square().sum())
+        out = engine(x[2 * dist.get_rank():2 * dist.get_rank() + 2])
+        if step == 1:  # between the forward and its backward: the backward gathers what it needs again
+            engine.empty_partition_cache()
+        engine.backward(out.square().sum())
         engine.step()
         engine.empty_partition_cache()
         ref_opt.zero_grad()
@@ -176,7 +177,8 @@ def empty_partition_cache_worker(stage, persistence):
 @pytest.mark.parametrize("stage,persistence", [(3, 0), (3, 10), (1, 0)])
 def test_empty_partition_cache(stage, persistence):
     """Upstream's engine.empty_partition_cache(): gathered ZeRO-3 copies nobody uses are freed (persistent ones
-    stay), on any stage it may be called at any point between steps, and training is unchanged (plain torch)."""
+    too), on any stage it may be called between steps or between a forward and its backward, and training is
+    unchanged (plain torch)."""
     assert run_distributed(empty_partition_cache_worker, 2, args=(stage, persistence), timeout=90) == [True, True]
 
 
