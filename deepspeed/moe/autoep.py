@@ -56,6 +56,23 @@ DEFAULT_ONLY = {
     "moe_layer_pattern": None,
     "expert_pattern": None,
     "router_pattern": None,
+    "load_balance_coeff": None,  # upstream refuses any other value too
+    "validate_folding_routing": False,
+    "async_split_plan": False,
+    "gate_up_impl": "separate",
+    "comm_num_sm": 12,
+    "comm_qp_margin": 4,
+    "comm_max_tokens_per_rank": 0,
+    "num_expert_groups": None,
+    "num_limited_groups": None,
+    "expert_w1": None,
+    "expert_w2": None,
+    "num_experts_attr": None,
+    "top_k_attr": None,
+    "has_shared_experts": None,
+    "shared_experts_pattern": None,
+    "shared_experts_gate_pattern": None,
+    "expert_activation": None,
 }
 
 

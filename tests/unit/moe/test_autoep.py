@@ -331,3 +331,18 @@ def _generator_and_client_optimizer(kind):
 @pytest.mark.parametrize("kind", ["generator", "client"])
 def test_optimizer_follows_the_replaced_experts(kind):
     assert run_distributed(_generator_and_client_optimizer, 2, args=(kind, ), timeout=T) == [True, True]
+
+
+def test_upstream_keys_at_their_defaults_parse_and_others_raise():
+    """Every key of upstream's expert_parallel section parses at upstream's default (a config written for upstream
+    runs); a non-default value of one this release does not implement raises naming it; an unknown key raises."""
+    from deepspeed.moe.autoep import DEFAULT_ONLY, AutoEPConfig
+    section = {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", **DEFAULT_ONLY}
+    cfg = AutoEPConfig.from_section(section)
+    assert (cfg.enabled, cfg.autoep_size, cfg.preset_model) == (True, 2, "mixtral")
+    with pytest.raises(NotImplementedError, match="load_balance_coeff"):
+        AutoEPConfig.from_section({**section, "load_balance_coeff": 0.01})
+    with pytest.raises(NotImplementedError, match="comm_num_sm"):
+        AutoEPConfig.from_section({**section, "comm_num_sm": 24})
+    with pytest.raises(ValueError, match="unknown config key 'expert_parallel.no_such_key'"):
+        AutoEPConfig.from_section({**section, "no_such_key": 1})
