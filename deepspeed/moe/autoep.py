@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import deepspeed.comm as dist
+from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
 from deepspeed.moe.sharded_moe import _all_to_all
 from deepspeed.moe.utils import mark_expert_param
 from deepspeed.utils import groups
@@ -190,6 +191,12 @@ class GroupedExperts(nn.Module):
         self.act_fn = experts.act_fn
         self.use_grouped_mm = use_grouped_mm
         self.expert_group_name = groups.expert_group_name(self.ep_size)
+        layout = classify_fused_gate_up_layout(experts.gate_up_proj.shape, experts.down_proj.shape)
+        if layout is None or layout.layout != "gate_up_first":
+            raise NotImplementedError(
+                f"AutoEP: the experts' fused weights (gate_up_proj {tuple(experts.gate_up_proj.shape)}, down_proj "
+                f"{tuple(experts.down_proj.shape)}) are not in the [E, 2F, H] / [E, H, F] layout this release "
+                f"computes ({'layout ' + layout.layout if layout else 'no known layout'}); see docs/moe.md")
         local = slice(self.first_expert, self.first_expert + self.num_local_experts)
         with torch.no_grad():
             self.gate_up_proj = nn.Parameter(experts.gate_up_proj[local].detach().clone(),

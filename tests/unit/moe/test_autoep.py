@@ -346,3 +346,36 @@ def test_upstream_keys_at_their_defaults_parse_and_others_raise():
         AutoEPConfig.from_section({**section, "comm_num_sm": 24})
     with pytest.raises(ValueError, match="unknown config key 'expert_parallel.no_such_key'"):
         AutoEPConfig.from_section({**section, "no_such_key": 1})
+
+
+@pytest.mark.parametrize("experts,ffn,hidden", [(8, 128, 64), (3, 1, 5), (1, 7, 2), (4, 64, 128)])
+def test_fused_expert_layouts(experts, ffn, hidden):
+    """Both fused layouts are told apart from the shapes alone; shapes that fit neither give None."""
+    from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
+    first = classify_fused_gate_up_layout((experts, 2 * ffn, hidden), (experts, hidden, ffn))
+    assert (first.layout, first.hidden_size, first.ffn_hidden_size, first.needs_transpose) == \
+        ("gate_up_first", hidden, ffn, False)
+    second = classify_fused_gate_up_layout((experts, hidden, 2 * ffn), (experts, ffn, hidden))
+    assert (second.layout, second.hidden_size, second.ffn_hidden_size, second.needs_transpose) == \
+        ("hidden_first", hidden, ffn, True)
+    assert classify_fused_gate_up_layout((experts, 2 * ffn + 1, hidden), (experts, hidden, ffn)) is None
+    assert classify_fused_gate_up_layout((experts + 1, 2 * ffn, hidden), (experts, hidden, ffn)) is None
+    assert classify_fused_gate_up_layout((2 * ffn, hidden), (hidden, ffn)) is None
+
+
+def test_autoep_refuses_experts_stored_hidden_first():
+    """AutoEP computes [E, 2F, H] / [E, H, F] experts; the transposed layout raises naming it rather than being
+    multiplied the wrong way round (with H == 2F it would run)."""
+    from deepspeed.moe.autoep import GroupedExperts
+
+    class HiddenFirst(torch.nn.Module):
+
+        def __init__(self, experts=4, hidden=8, ffn=4):
+            super().__init__()
+            self.num_experts, self.hidden_dim, self.intermediate_dim = experts, hidden, ffn
+            self.act_fn = torch.nn.SiLU()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(experts, hidden, 2 * ffn))
+            self.down_proj = torch.nn.Parameter(torch.zeros(experts, ffn, hidden))
+
+    with pytest.raises(NotImplementedError, match="hidden_first"):
+        GroupedExperts(HiddenFirst(), ep_size=1, ep_rank=0)
