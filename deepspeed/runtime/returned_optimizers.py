@@ -62,12 +62,46 @@ class DeepSpeedZeroOptimizer(_ReturnedOptimizer):
 
 
 class DeepSpeedZeroOptimizer_Stage3(_ReturnedOptimizer):
-    """The optimizer of ZeRO stage 3."""
+    """The optimizer of ZeRO stage 3.
+
+    It also answers for upstream's hook manager the way TRL's ``unwrap_model_for_generation`` drives it: ``module``,
+    ``forward_hooks`` (the module hooks that gather and release the units: removing them and assigning ``[]``
+    leaves the model's forward unhooked), ``backward_hooks`` (none are kept here: per-backward hooks live on the
+    forward's outputs) and ``_register_deepspeed_module(module)`` / ``_register_hooks_recursively(module)``, which
+    install the module hooks again."""
 
     @property
     def fp32_partitioned_groups_flat(self):
         """Upstream's name: this rank's fp32 master partition of each parameter group (live tensors)."""
         return _fp32_partitions(self)
+
+    @property
+    def module(self):
+        return self.stage.module
+
+    @property
+    def forward_hooks(self):
+        return self.stage.coordinator.hook_handles
+
+    @forward_hooks.setter
+    def forward_hooks(self, handles):
+        self.stage.coordinator.hook_handles = handles
+
+    @property
+    def backward_hooks(self):
+        return self.__dict__.get("_backward_hooks", [])
+
+    @backward_hooks.setter
+    def backward_hooks(self, handles):
+        self.__dict__["_backward_hooks"] = list(handles)
+
+    def _register_deepspeed_module(self, module, count=None):
+        """Install the module hooks again (after their handles were removed); ``module`` is the engine's."""
+        if module is not self.stage.module:
+            raise ValueError("_register_deepspeed_module: the engine's hooks cover the engine's module only")
+        self.stage.coordinator.reinstall_hooks()
+
+    _register_hooks_recursively = _register_deepspeed_module
 
 
 class BF16_Optimizer(_ReturnedOptimizer):

@@ -182,6 +182,15 @@ class UnitCoordinator:
         for module in self.module.modules():
             restore_parameters_dict(module)
 
+    @property
+    def hook_handles(self):
+        """The module hooks' handles (upstream's ``forward_hooks``)."""
+        return self._handles
+
+    @hook_handles.setter
+    def hook_handles(self, handles):
+        self._handles = list(handles)
+
     def reinstall_hooks(self):
         """Install the module hooks again (after torch.compile was loaded, so that they are marked for it)."""
         self.remove_hooks()

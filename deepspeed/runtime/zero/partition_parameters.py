@@ -17,6 +17,7 @@ import contextlib
 import functools
 import itertools
 import os
+import types
 from enum import Enum
 
 import torch
@@ -95,6 +96,7 @@ def partition_param(param, world_size=None, rank=None, shard_device=None, dtype=
     param.ds_tensor = piece
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
     param.ds_persist = False
+    param.ds_active_sub_modules = set()  # upstream's attribute (TRL clears it); the units track use here
     param.data = torch.empty(0, dtype=piece.dtype, device=piece.device)
     # upstream's per-parameter call (the list is its argument, not the parameter); a module function, so a pickled
     # parameter refers to it by name and not back to itself
@@ -458,9 +460,22 @@ def _shards_current(params):
 
 
 def init_external_params(module):
-    """Give ``module`` its ``_external_params`` dict (``id(param) -> param``), upstream's attribute, if it has none."""
-    if not hasattr(module, "_external_params"):
-        module._external_params = {}
+    """Give ``module`` its ``_external_params`` dict (``id(param) -> param``), upstream's attribute, if it has none,
+    and upstream's methods over it: ``module.ds_external_parameters()`` (the dict's items) and
+    ``module.all_parameters()`` (its own named parameters, then those)."""
+    if hasattr(module, "_external_params"):
+        return
+    module._external_params = {}
+    module.ds_external_parameters = types.MethodType(_external_parameters, module)
+    module.all_parameters = types.MethodType(_all_parameters, module)
+
+
+def _external_parameters(module):
+    return module._external_params.items()
+
+
+def _all_parameters(module):
+    return itertools.chain(module.named_parameters(recurse=False), _external_parameters(module))
 
 
 _init_external_params = init_external_params  # upstream's name

@@ -3,6 +3,7 @@
 offload_states, unwrap_model_for_generation, and the optimizer classes initialize returns."""
 
 import collections
+import itertools
 
 import pytest
 import torch
@@ -261,11 +262,14 @@ def generation_worker():
     }  # yapf: disable
     engine = deepspeed.initialize(model=model, config=cfg)[0]
     x = torch.randn(2, 4)
+    hooked = len(engine.optimizer.forward_hooks)
     with torch.no_grad(), unwrap_model_for_generation(engine) as unwrapped:
         assert unwrapped is engine
+        assert engine.optimizer.forward_hooks == []  # as upstream's: no hooks inside
         outputs = [unwrapped.module(x) for _ in range(3)]
         held = all(p.ds_status == ZeroParamStatus.AVAILABLE for p in engine.module.parameters())
     released = all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+    assert hooked and len(engine.optimizer.forward_hooks) == hooked
     expected = plain(x)
     same = all(torch.allclose(o, expected, atol=1e-6) for o in outputs)
     # training afterwards still matches plain SGD
@@ -286,6 +290,62 @@ def generation_worker():
 
 def test_unwrap_model_for_generation_zero3():
     assert run_distributed(generation_worker, 2, timeout=90) == [(True, True, True, True)] * 2
+
+
+def trl_generation_worker():
+    """The calls TRL's unwrap_model_for_generation makes on a ZeRO-3 engine (its remove_hooks / add_hooks inside
+    GatheredParameters over every parameter), then training: outputs and parameters as plain torch's."""
+    import copy
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    torch.manual_seed(0)
+    model = _net()
+    plain = copy.deepcopy(model)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1}
+    }  # yapf: disable
+    engine = deepspeed.initialize(model=model, config=cfg)[0]
+    x = torch.randn(2, 4)
+    engine.backward(engine(x).pow(2).sum())  # a step before generation, as in RL loops
+    engine.step()
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain(x).pow(2).sum().backward()
+    ref_opt.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        offload = engine.optimizer  # no parameter_offload attribute here: the optimizer answers for it
+        assert not hasattr(offload, "parameter_offload")
+        for module in offload.module.modules():
+            for _, param in itertools.chain(module.named_parameters(recurse=False), module.ds_external_parameters()):
+                param.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks:
+            hook.remove()
+        for hook in offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks = []
+        offload.backward_hooks = []
+        with torch.no_grad():
+            generated = [engine.module(x) for _ in range(2)]
+        offload._register_deepspeed_module(offload.module)
+    ref_opt.zero_grad()
+    same = all(torch.allclose(g, plain(x), atol=1e-6) for g in generated)
+    engine.backward(engine(x).pow(2).sum())
+    engine.step()
+    plain(x).pow(2).sum().backward()
+    ref_opt.step()
+    trained = all(
+        torch.allclose(safe_get_full_fp32_param(p), q, atol=1e-5)
+        for p, q in zip(engine.module.parameters(), plain.parameters()))
+    rehooked = len(engine.optimizer.forward_hooks) > 0
+    engine.destroy()
+    return same, trained, rehooked
+
+
+def test_trl_unwrap_model_for_generation_calls():
+    assert run_distributed(trl_generation_worker, 2, timeout=90) == [(True, True, True)] * 2
 
 
 def returned_class_worker(stage, dtype, optimizer_type, accum):
