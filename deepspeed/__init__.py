@@ -64,7 +64,7 @@ def initialize(args=None,
     """Wrap ``model`` for training; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     The config comes from ``config``, ``config_params`` (its older name) or
-    ``args.deepspeed_config``, as a dict or a JSON path. ``optimizer`` is a torch
+    ``args.deepspeed_config`` (``args.deepscale_config``, deprecated), as a dict or a JSON path. ``optimizer`` is a torch
     optimizer or a callable(params); ``lr_scheduler`` a scheduler or a
     callable(optimizer). Without an optimizer (and no config ``optimizer``) the engine
     is for evaluation.
@@ -73,6 +73,10 @@ def initialize(args=None,
         config = config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
+        if config is None and getattr(args, "deepscale_config", None) is not None:
+            # upstream's deprecated spelling, still read (with its warning)
+            logger.warning("args.deepscale_config is deprecated; use args.deepspeed_config (or config=)")
+            config = args.deepscale_config
     if config is None:
         raise ValueError("deepspeed.initialize: no config given (pass config=dict/path, or args.deepspeed_config)")
     if not comm.is_initialized():

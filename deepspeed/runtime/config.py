@@ -68,6 +68,16 @@ def _steps_per_print(value, path):
     return integer(minimum=1)(value, path)
 
 
+_ALLREDUCE_OPS = one_of(GRADIENT_ALLREDUCE_OP_SUPPORTED)
+
+
+def _gradient_allreduce_op(value, path):
+    try:
+        return _ALLREDUCE_OPS(value, path)
+    except DeepSpeedConfigError as err:  # upstream's words first: code matches on them
+        raise DeepSpeedConfigError(f"Invalid gradient_allreduce_op: {err}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class _TopLevelSettings(ConfigSection):
     """The scalar top-level keys."""
@@ -82,7 +92,7 @@ class _TopLevelSettings(ConfigSection):
     gradient_clipping: float = config_field(1.0, parse=number(minimum=0.0))
     prescale_gradients: bool = config_field(False, parse=boolean())
     gradient_predivide_factor: float = config_field(1.0, parse=number(minimum=0.0, exclusive_minimum=True))
-    gradient_allreduce_op: str = config_field("mean", parse=one_of(GRADIENT_ALLREDUCE_OP_SUPPORTED))
+    gradient_allreduce_op: str = config_field("mean", parse=_gradient_allreduce_op)
     communication_data_type: Optional[torch.dtype] = config_field(None, parse=optional(dtype()))
     seq_parallel_comm_data_type: torch.dtype = config_field(torch.float32,
                                                             parse=dtype(),
@@ -474,9 +484,18 @@ class DeepSpeedConfig:
             raise DeepSpeedConfigError(f"config keys 'fp16.enabled' and '{self._bf16_section}.enabled' are both "
                                        "true; enable at most one of them")
         stage = self.zero_optimization_stage
-        if self.gradient_allreduce_op == GRADIENT_ALLREDUCE_OP_SUM and stage == ZeroStageEnum.weights:
-            raise DeepSpeedConfigError("config key 'gradient_allreduce_op' 'sum' is not supported with "
-                                       "'zero_optimization.stage' 3; use 'mean' or stage 0, 1 or 2")
+        if self.gradient_allreduce_op == GRADIENT_ALLREDUCE_OP_SUM:
+            compile_section = self._param_dict.get("compile")
+            conflict = None
+            if stage == ZeroStageEnum.weights:
+                conflict = "ZeRO stage 3 ('zero_optimization.stage' 3)"
+            elif self.zero_config.zenflow is not None:
+                conflict = "ZenFlow ('zero_optimization.zenflow')"
+            elif isinstance(compile_section, dict) and compile_section.get("deepcompile"):
+                conflict = "DeepCompile ('compile.deepcompile')"
+            if conflict is not None:  # upstream's rules and wording
+                raise DeepSpeedConfigError(f"config key 'gradient_allreduce_op' 'sum' is not supported with "
+                                           f"{conflict}; use 'mean'")
         for enabled, key in ((self.fp16_master_weights_and_grads, "fp16.fp16_master_weights_and_grads"),
                              (self.bf16_master_weights_and_grads,
                               f"{self._bf16_section}.bf16_master_weights_and_grads"),

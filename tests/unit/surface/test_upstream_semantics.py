@@ -203,3 +203,35 @@ def buffer_worker(precision, buffer_dtype, stage):
 ])
 def test_buffers_keep_their_dtype_unless_buffer_dtype(precision, buffer_dtype, stage, expected):
     assert run_distributed(buffer_worker, 1, args=(precision, buffer_dtype, stage), timeout=60) == [(expected, True)]
+
+
+def _initialize_from_deepscale_config(path):
+    import argparse
+
+    import deepspeed
+    args = argparse.Namespace(deepscale_config=path, local_rank=0)
+    model = torch.nn.Linear(3, 2)
+    engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+    x = torch.ones(1, 3)
+    engine.backward(engine(x).sum())
+    engine.step()
+    result = (engine.train_micro_batch_size_per_gpu(), type(engine.basic_optimizer).__name__)
+    engine.destroy()
+    return result
+
+
+def test_deprecated_deepscale_config_argument(tmp_path):
+    """Upstream still reads ``args.deepscale_config`` (the old name of ``args.deepspeed_config``)."""
+    import json
+    path = tmp_path / "ds.json"
+    path.write_text(
+        json.dumps({
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {
+                "type": "SGD",
+                "params": {
+                    "lr": 0.1
+                }
+            }
+        }))
+    assert run_distributed(_initialize_from_deepscale_config, 2, args=(str(path), ), timeout=60) == [(1, "SGD")] * 2
