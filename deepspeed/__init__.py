@@ -64,8 +64,8 @@ def initialize(args=None,
     """Wrap ``model`` for training; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     The config comes from ``config``, ``config_params`` (its older name) or
-    ``args.deepspeed_config`` (``args.deepscale_config``, deprecated), as a dict or a JSON path. ``optimizer`` is a torch
-    optimizer or a callable(params); ``lr_scheduler`` a scheduler or a
+    ``args.deepspeed_config`` (``args.deepscale_config``, deprecated), as a dict or a JSON path.
+    ``optimizer`` is a torch optimizer or a callable(params); ``lr_scheduler`` a scheduler or a
     callable(optimizer). Without an optimizer (and no config ``optimizer``) the engine
     is for evaluation.
     """
