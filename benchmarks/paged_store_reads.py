@@ -6,14 +6,17 @@
 Builds a :class:`~deepspeed.runtime.swap_tensor.disk_tier.DiskTier` with the optimizer tier's three fp32 fields
 (``fp32``, ``exp_avg``, ``exp_avg_sq``) over ``--pages`` pages and ``--slots`` cache slots (the ``+nvme`` keys give
 32 pages of 2**24 elements and ``buffer_count`` 4 slots for the 0.5e9 GPT), writes every page once, then runs
-``--steps`` passes in the order ``OptimizerStateSwap.step_range`` uses (``read_ahead(page)``, then
-``acquire(page, modify=True)``, ``--work-ms`` of work standing in for the host Adam op, ``release(page, dirty=True)``;
-``flush`` at the end). Printed per order: page reads per pass (1.0 is every page once), and which pages were read
-more than once.
+``--steps`` passes, each page taken, given ``--work-ms`` of work standing in for the host Adam op and released dirty
+(``flush`` at the end), in one of two orders:
 
-``--order after`` runs the same pass with ``read_ahead`` called after the page is acquired: a what-if of this
-script only (nothing under ``deepspeed/`` changes), to tell whether the re-reads come from the read-ahead evicting
-the page about to be stepped (docs/performance.md, "NVMe offload", "Where the time goes").
+* ``runtime``: ``DiskTier.acquire(page)`` (pin the page, then read ahead past it), what
+  ``OptimizerStateSwap.step_range`` and the parameter tier call;
+* ``before``: ``read_ahead(page)`` before ``store.acquire(page)``, the order the tiers used until 2026-12-03. Before
+  the store kept the pages about to be used out of a read-ahead's evictions, it read the page about to be stepped
+  twice (1.88 reads a page: docs/performance.md, "NVMe offload", "Where the time goes").
+
+Printed per order: page reads per pass (1.0 is every page once), the wall time, and which pages were read more than
+once.
 """
 
 import argparse
@@ -71,9 +74,9 @@ def run(args, order):
             for page in order_pages:
                 if order == "before":
                     tier.read_ahead(page)
-                view = store.acquire(page, modify=True)
-                if order == "after":
-                    tier.read_ahead(page)
+                    view = store.acquire(page, modify=True)
+                else:
+                    view = tier.acquire(page, modify=True)
                 view.fields["fp32"].add_(1.0)
                 if args.work_ms:
                     time.sleep(args.work_ms / 1e3)
@@ -95,7 +98,7 @@ def main(argv=None):
     ap.add_argument("--page-mib", type=int, default=8, help="MiB of each field of a page")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--work-ms", type=float, default=5.0)
-    ap.add_argument("--order", default="before,after")
+    ap.add_argument("--order", default="runtime,before")
     args = ap.parse_args(argv)
     os.makedirs(args.folder, exist_ok=True)
     print(f"{args.pages} pages of 3 x {args.page_mib} MiB, {args.slots} slots, {args.steps} passes, "

@@ -57,13 +57,20 @@ class DiskTier:
         for i, page in enumerate(self._sequence):
             self._position.setdefault(page, i)
 
+    def acquire(self, page, **kwargs):
+        """``store.acquire(page, **kwargs)``, then :meth:`read_ahead` past it: the read-ahead starts once the page
+        is pinned, when the slot of the page released before it is most likely free again."""
+        view = self.store.acquire(page, **kwargs)
+        self.read_ahead(page)
+        return view
+
     def read_ahead(self, page):
         """Start reading the pages after ``page`` in the planned order, as far as idle slots allow."""
         at = self._position.get(page)
         if at is None:
             return
         window = max(1, self.store.slots - 2)
-        self.store.prefetch(self._sequence[at + 1:at + 1 + window])
+        self.store.prefetch(self._sequence[at + 1:at + 1 + window], keep=(page, ))
 
     # ---------------------------------------------------------------- errors
     def failed(self, error, doing):

@@ -101,8 +101,7 @@ class OptimizerStateSwap(DiskTier):
                 } if self.moments_on_disk[g] else {}
                 for page in self.table.group_pages[g]:
                     _, start, length = self.table.pages[page]
-                    self.read_ahead(page)
-                    view = store.acquire(page)
+                    view = self.acquire(page)
                     try:
                         master.narrow(0, start, length).copy_(view.fields["fp32"])
                         for k, tensor in moments.items():
@@ -155,10 +154,9 @@ class OptimizerStateSwap(DiskTier):
         host_step = self.host_step
         _, grad, state, scalars = entry
         ((page, offset, _, _), ) = self.table.covering(group, start, length)
-        self.read_ahead(page)
         store = self.store
         try:
-            view = store.acquire(page, modify=True)
+            view = self.acquire(page, modify=True)
         except Exception as error:
             raise self.failed(error, "reading the optimizer state") from error
         try:

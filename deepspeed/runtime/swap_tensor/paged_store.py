@@ -217,11 +217,11 @@ class PagedStore:
         return _Ticket(self.io, ids)
 
     # ---------------------------------------------------------------- cache
-    def _victim_locked(self, for_prefetch):
+    def _victim_locked(self, for_prefetch, protected=()):
         """A slot to (re)use: a free one, else the least recently used unpinned page's (None if there is none).
 
         Returns ``(slot, evicted)`` (an :class:`_Evicted`, or None for a free slot); a prefetch takes only a slot whose
-        page has no I/O or copy in flight.
+        page has no I/O or copy in flight, and never one of ``protected`` (pages about to be used).
         """
         if self._free:
             return self._free.pop(), None
@@ -230,7 +230,7 @@ class PagedStore:
             entry = self._entries[page]
             if entry.refs or entry.ready is None or not entry.ready.is_set():
                 continue
-            if for_prefetch and not self._idle(entry):
+            if for_prefetch and (not self._idle(entry) or page in protected):
                 continue
             if best is None or entry.last_use < self._entries[self._owner[best]].last_use:
                 best = slot
@@ -267,12 +267,12 @@ class PagedStore:
             for copy in evicted.busy:
                 copy.synchronize()
 
-    def _claim(self, page, read, for_prefetch=False):
+    def _claim(self, page, read, for_prefetch=False, protected=()):
         """Put ``page`` in a slot (with the lock held on entry and exit). Returns False when a prefetch found no
-        slot."""
+        slot (``protected``: pages a prefetch must not evict)."""
         entry = self._entries[page]
         while True:
-            slot, evicted = self._victim_locked(for_prefetch)
+            slot, evicted = self._victim_locked(for_prefetch, protected)
             if slot is not None:
                 break
             if for_prefetch:
@@ -371,8 +371,11 @@ class PagedStore:
             entry.refs -= 1
             self._changed.notify_all()
 
-    def prefetch(self, pages):
-        """Start reading ``pages`` (written ones, not cached yet) into free or idle slots; never waits."""
+    def prefetch(self, pages, keep=()):
+        """Start reading ``pages`` (written ones, not cached yet) into free or idle slots; never waits. No page of
+        ``pages`` or ``keep`` (the page about to be acquired) is evicted for it: reading ahead must not push out
+        what is read next (the least recently used page is often the one the caller is about to take)."""
+        protected = set(pages) | set(keep)
         with self._lock:
             for page in pages:
                 entry = self._entries[page]
@@ -381,7 +384,7 @@ class PagedStore:
                 if entry.write is not None and not entry.write.idle():
                     continue  # its write-back is still in flight: reading it now would wait
                 entry.last_use = next(self._tick)
-                if not self._claim(page, True, for_prefetch=True):
+                if not self._claim(page, True, for_prefetch=True, protected=protected):
                     return
 
     def flush(self):

@@ -95,8 +95,7 @@ class ParamShardSwap(DiskTier):
                 shard = pinned(torch.empty(numel, dtype=self.dtype), stage.config.param_pin_memory)
                 for page in self.table.group_pages[g]:
                     _, start, length = self.table.pages[page]
-                    self.read_ahead(page)
-                    view = store.acquire(page)
+                    view = self.acquire(page)
                     try:
                         shard.narrow(0, start, length).copy_(view.fields[FIELD])
                     finally:
@@ -141,8 +140,7 @@ class ParamShardSwap(DiskTier):
         try:
             for g, part_offset, column, length in stage.layout.segments[unit.index]:
                 for page, offset, start, n in self.table.covering(g, part_offset, length):
-                    self.read_ahead(page)
-                    view = store.acquire(page)
+                    view = self.acquire(page)
                     try:
                         last = fetch.transfers.copy(row.narrow(0, column + start - part_offset, n),
                                                     view.fields[FIELD].narrow(0, offset, n))

@@ -91,6 +91,42 @@ def test_store_round_trip_through_a_small_cache(io, tmp_path):
         store.release(page)
 
 
+@pytest.mark.parametrize("slots,ahead_first", [(3, True), (4, True), (4, False), (5, True)])
+def test_read_ahead_never_evicts_the_pages_about_to_be_used(io, tmp_path, slots, ahead_first):
+    """A pass over every page in the planned order (each page read ahead past, taken, modified, written behind, as
+    the optimizer tier steps) reads each page once: the read-ahead may not evict the page about to be taken or the
+    pages it reads for (they are the least recently used ones). It read the stepped page twice before (1.88 reads
+    a page with 4 slots: docs/performance.md, "NVMe offload")."""
+    store, table = _store(io, tmp_path, slots=slots)
+    values = _values(table, 1)
+    _fill(store, table, values)
+    store.flush()
+    store.drop_cache()
+    order = list(range(len(table.pages)))
+    window = max(1, slots - 2)
+    for step in range(3):
+        before = store.stats["reads"]
+        for i, page in enumerate(order):
+            if ahead_first:
+                store.prefetch(order[i + 1:i + 1 + window], keep=(page, ))
+            view = store.acquire(page, modify=True)
+            if not ahead_first:
+                store.prefetch(order[i + 1:i + 1 + window], keep=(page, ))
+            view.fields["a"].add_(1.0)
+            store.release(page, dirty=True)
+        store.flush()
+        # the first pass reads every page; later ones re-read only what the small cache could not keep (all of it)
+        assert store.stats["reads"] - before == len(table.pages), (step, store.stats["reads"] - before)
+    store.drop_cache()
+    for page, (g, start, length) in enumerate(table.pages):  # and the values are right: three increments
+        view = store.acquire(page)
+        expected = values[(g, "a")].narrow(0, start, length).clone()
+        for _ in range(3):
+            expected.add_(1.0)
+        assert torch.equal(view.fields["a"], expected)
+        store.release(page)
+
+
 def test_store_threads(io, tmp_path):
     store, table = _store(io, tmp_path, slots=4, page=3)
     values = _values(table, 1)
