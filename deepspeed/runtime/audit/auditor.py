@@ -133,7 +133,7 @@ class GradientAuditor:
         """
         engine = self.engine
         stage = engine._stage
-        if stage is None:
+        if stage is None or engine.optimizer is None:  # a ZeRO-3 engine without one has a stage that steps nothing
             raise RuntimeError("audit_gradients needs an engine with an optimizer (there is no gradient to audit)")
         _check_arguments(loss_fn, micro_batches, directions, tolerance, group_by)
         batches = list(micro_batches)

@@ -128,7 +128,7 @@ class AuditSchedule:
             return
         batches, self._batches = self._batches, []
         stage = self.engine._stage
-        if not self._due() or stage is None or stage.window_is_empty():
+        if not self._due() or stage is None or self.engine.optimizer is None or stage.window_is_empty():
             return
         if self.loss_fn is None:
             raise RuntimeError("gradient_audit is enabled but no loss function is registered: call "

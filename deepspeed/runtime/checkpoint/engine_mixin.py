@@ -86,7 +86,7 @@ class CheckpointEngineMixin:
         ranks. ValueError on stages 0-2.
         """
         if self.zero_optimization_stage() != 3 or self._stage is None:
-            raise ValueError("_zero3_consolidated_16bit_state_dict() needs a ZeRO stage 3 engine with an optimizer")
+            raise ValueError("_zero3_consolidated_16bit_state_dict() needs a ZeRO stage 3 engine")
         return consolidated_16bit_state_dict(self.module, self._stage.checkpoint(), exclude_frozen_parameters)
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):

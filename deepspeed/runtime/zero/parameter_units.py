@@ -142,6 +142,7 @@ class UnitCoordinator:
         for module in self.module.modules():
             init_external_params(module)
             ensure_zero_ordered_dict(module, self)
+        for module in self.module.modules():
             if module in inside_leaf:
                 continue  # a leaf's subtree runs inside the leaf's forward, which gathered it whole
             units = []
