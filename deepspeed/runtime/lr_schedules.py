@@ -199,6 +199,9 @@ class LRRangeTest(_BatchSchedule):
                  lr_range_test_step_rate: float = 1.0,
                  lr_range_test_staircase: bool = False,
                  last_batch_iteration: int = -1):
+        if isinstance(lr_range_test_step_size, bool) or not lr_range_test_step_size > 0:
+            raise ValueError(f"LRRangeTest: lr_range_test_step_size must be positive (it divides the step), got "
+                             f"{lr_range_test_step_size!r}")
         groups = _param_groups_of(optimizer)
         super().__init__(optimizer, last_batch_iteration)
         self.min_lr = _per_group(lr_range_test_min_lr, groups, LR_RANGE_TEST_MIN_LR)
@@ -363,7 +366,7 @@ class WarmupLR(_BatchSchedule):
         gamma = 1                                           for t >= W
         lr    = warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma
 
-    ``warmup_max_lr=None`` takes the first param group's current learning rate. Both bounds
+    ``warmup_max_lr=None`` takes each param group's current learning rate. Both bounds
     may be lists with one value per param group. Before the first step (``t < 0``) the
     learning rate is ``warmup_min_lr``.
     """
@@ -378,8 +381,8 @@ class WarmupLR(_BatchSchedule):
         _check_warmup_num_steps(warmup_num_steps)
         groups = _param_groups_of(optimizer)
         super().__init__(optimizer, last_batch_iteration)
-        if warmup_max_lr is None:
-            warmup_max_lr = _as_float(groups[0]['lr'])
+        if warmup_max_lr is None:  # each group's own learning rate, as upstream
+            warmup_max_lr = [_as_float(group['lr']) for group in groups]
         self.min_lrs = _per_group(warmup_min_lr, groups, WARMUP_MIN_LR)
         self.max_lrs = _per_group(warmup_max_lr, groups, WARMUP_MAX_LR)
         self.delta_lrs = [hi - lo for lo, hi in zip(self.min_lrs, self.max_lrs)]

@@ -138,6 +138,11 @@ def test_warmup_lr(warmup_type, warmup_steps):
 def test_warmup_lr_defaults_to_optimizer_lr():
     schedule = WarmupLR(make_optimizer(lrs=(0.4, 0.4)), warmup_num_steps=5)
     assert_trace(trace(schedule), [[v, v] for v in ref_warmup(0.0, 0.4, 5, 'log')])
+    # each param group warms up to its own learning rate (upstream's rule since it stopped using group 0's)
+    schedule = WarmupLR(make_optimizer(lrs=(0.4, 0.1)), warmup_num_steps=5)
+    assert schedule.max_lrs == [0.4, 0.1]
+    assert_trace(trace(schedule),
+                 [[a, b] for a, b in zip(ref_warmup(0.0, 0.4, 5, 'log'), ref_warmup(0.0, 0.1, 5, 'log'))])
 
 
 @pytest.mark.parametrize('warmup_type', ['log', 'linear'])
@@ -298,6 +303,9 @@ def test_validation():
         WarmupLR(make_optimizer(), warmup_max_lr=[0.1, 0.2, 0.3])
     with pytest.raises(TypeError):
         WarmupLR(object())
+    for bad in (0, -5):  # it divides the step index
+        with pytest.raises(ValueError, match='lr_range_test_step_size'):
+            LRRangeTest(make_optimizer(), lr_range_test_step_size=bad)
 
 
 def test_from_config():
