@@ -25,7 +25,7 @@ from deepspeed.runtime.accumulation import AccumulationWindow
 from deepspeed.runtime.audit import AuditSchedule, auditing
 from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
-from deepspeed.runtime.config import DeepSpeedConfig, get_log_level
+from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.instrumentation import EngineInstrumentation
 from deepspeed.runtime.optimizer_factory import build_optimizer, check_client_offload_optimizer
@@ -386,7 +386,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
     def log_level(self):
         """The config's ``log_level`` as written (None when the config leaves the DeepSpeed logger as it is)."""
-        return get_log_level(self._config._param_dict)
+        return self._config.log_level
 
     def zero_gather_16bit_weights_on_model_save(self):
         return bool(self._config.zero_config.stage3_gather_16bit_weights_on_model_save)

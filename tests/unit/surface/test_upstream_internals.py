@@ -92,3 +92,17 @@ def test_initialize_refuses_a_param_dtype_the_precision_section_contradicts():
         run_distributed(conflicting_param_dtype_worker, 1, args=("bf16", ), timeout=60)[0]
     assert "data_types.param_dtype=torch.float16 conflicts" in refused and "bf16 enabled" in refused, refused
     assert accepted == "torch.bfloat16"
+
+
+def test_engine_log_level_reads_the_config():
+    """``engine.log_level()`` is the config's ``log_level`` as written (None when unset), read from the parsed
+    config (code that stands in a namespace for the engine's config, as upstream's tests do, works too)."""
+    import types
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    assert DeepSpeedEngine.log_level(types.SimpleNamespace(_config=types.SimpleNamespace(log_level="ERROR"))) == "ERROR"
+    for written in ("info", "WARNING", None):
+        raw = {"train_batch_size": 1} if written is None else {"train_batch_size": 1, "log_level": written}
+        engine = types.SimpleNamespace(_config=DeepSpeedConfig(raw))
+        assert DeepSpeedEngine.log_level(engine) == written
