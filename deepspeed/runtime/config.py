@@ -374,7 +374,8 @@ class DeepSpeedConfig:
         self.dataloader_drop_last = top.dataloader_drop_last
         self.zero_allow_untested_optimizer = top.zero_allow_untested_optimizer
         self.zero_force_ds_cpu_optimizer = top.zero_force_ds_cpu_optimizer
-        self.log_level = top.log_level
+        # validated (any case) by the section; kept as written, as upstream's config keeps it
+        self.log_level = None if top.log_level is None else param_dict.get("log_level")
 
         from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
         self.tensor_parallel_config = get_tensor_parallel_config(param_dict)  # the 'tensor_parallel' section
