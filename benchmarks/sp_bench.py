@@ -19,8 +19,8 @@ to ``--resolution`` tokens. A step that runs out of memory is followed by a fres
 bound each search (a step's time grows with the square of its length: a search stopped by time reports its longest
 success as a lower bound, ``capped``). Then the tokens/s of this implementation at ``--compare-at`` tokens (default:
 the upstream run's longest length when ``--impl both`` ran upstream first; else the longest success), from one
-step after a warm-up step (``--measure-steps N``: the median of N steps after it, each step's time recorded). Every step's length, time, peak memory (``max_memory_allocated``) and outcome is
-recorded.
+step after a warm-up step (``--measure-steps N``: the median of N steps after it, each step's time recorded).
+Every step's length, time, peak memory (``max_memory_allocated``) and outcome is recorded.
 
 ``--impl both`` runs upstream first (its longest length sets the comparison length), then this package, each in
 its own process (``--upstream-path`` holds upstream's installed package; this package comes from this repository),
