@@ -205,8 +205,10 @@ class DeepSpeedAccelerator(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def pin_memory(self, tensor, align_bytes=1):
-        """A page-locked copy of a host tensor where the platform has pinned memory, else ``tensor``."""
+    def pin_memory(self, tensor, align_bytes=1, make_copy=True, match_shape=True):
+        """A page-locked copy of a host tensor where the platform has pinned memory, else ``tensor`` (flat when
+        ``match_shape`` is false; ``make_copy=False`` allows an uninitialised allocation).
+        ``DS_PIN_MEMORY_BACKEND=native`` pins through ``deepspeed.utils.pin_memory``."""
         ...
 
     @abc.abstractmethod

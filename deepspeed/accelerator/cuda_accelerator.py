@@ -133,14 +133,25 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
         free, _ = torch.cuda.mem_get_info(device_index)
         return free
 
-    def pin_memory(self, tensor, align_bytes=1):
+    def pin_memory(self, tensor, align_bytes=1, make_copy=True, match_shape=True):
+        from deepspeed.utils.pin_memory import get_active_native_pinned_memory
         from deepspeed.utils.pin_memory_tracker import track_pinned_memory
+        native = get_active_native_pinned_memory()
+        if native is not None:  # DS_PIN_MEMORY_BACKEND=native: exact-size locked pages (deepspeed.utils.pin_memory)
+            return native.pin(tensor, make_copy=make_copy, match_shape=match_shape)
         pinned = tensor.pin_memory()
         track_pinned_memory(pinned.untyped_storage().nbytes())
-        return pinned
+        return pinned if match_shape else pinned.reshape(-1)  # a copy is a valid allocation (make_copy=False)
 
     def is_pinned(self, tensor):
-        return tensor.is_pinned()
+        from deepspeed.utils.pin_memory import get_active_native_pinned_memory
+        native = get_active_native_pinned_memory()
+        return (native is not None and native.is_pinned(tensor)) or tensor.is_pinned()
+
+    def unpin_memory(self, tensor):
+        from deepspeed.utils.pin_memory import get_active_native_pinned_memory
+        native = get_active_native_pinned_memory()
+        return native.unpin(tensor) if native is not None else None
 
     # ---- data types ------------------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ NOT_BUILT = [
     ("deepspeed.runtime.checkpoint_engine", "FastCheckpointEngine", lambda c: c(None, None, False), "fast"),
     ("deepspeed.runtime.checkpoint_engine", "DecoupledCheckpointEngine", lambda c: c(None, None, False), "decoupled"),
     ("deepspeed.runtime.checkpoint_engine", "DataStatesCheckpointEngine", lambda c: c(), "DataStates"),
-    ("deepspeed.utils.pin_memory", "NativePinnedMemory", lambda c: c(), "native pinned memory"),
     ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", lambda c: c(None, None, None), "deepspeed.initialize"),
     ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer", lambda c: c(None), "deepspeed.initialize"),
     ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", lambda c: c(None), "deepspeed.initialize"),
@@ -32,15 +31,6 @@ def test_not_built_raises_naming_the_feature(module, name, use, words):
     target = getattr(importlib.import_module(module), name)
     with pytest.raises(NotImplementedError, match=words):
         use(target)
-
-
-def test_native_pin_memory_only_when_asked(monkeypatch):
-    from deepspeed.utils import pin_memory
-    monkeypatch.delenv("DS_PIN_MEMORY_BACKEND", raising=False)
-    assert pin_memory.get_active_native_pinned_memory() is None
-    monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "native")
-    with pytest.raises(NotImplementedError):
-        pin_memory.get_active_native_pinned_memory()
 
 
 def test_aio_config_defaults():
