@@ -246,11 +246,11 @@ def _net():
     return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
 
 
-def generation_worker():
+def _zero3_sgd_engine():
+    """A ZeRO-3 engine over ``_net()`` (one unit per layer, SGD, no clipping) and a plain copy of the model."""
     import copy
 
     import deepspeed
-    from deepspeed.runtime.zero import ZeroParamStatus, unwrap_model_for_generation
     torch.manual_seed(0)
     model = _net()
     plain = copy.deepcopy(model)
@@ -260,7 +260,12 @@ def generation_worker():
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1}
     }  # yapf: disable
-    engine = deepspeed.initialize(model=model, config=cfg)[0]
+    return deepspeed.initialize(model=model, config=cfg)[0], model, plain
+
+
+def generation_worker():
+    from deepspeed.runtime.zero import ZeroParamStatus, unwrap_model_for_generation
+    engine, model, plain = _zero3_sgd_engine()
     x = torch.randn(2, 4)
     hooked = len(engine.optimizer.forward_hooks)
     with torch.no_grad(), unwrap_model_for_generation(engine) as unwrapped:
@@ -295,20 +300,9 @@ def test_unwrap_model_for_generation_zero3():
 def trl_generation_worker():
     """The calls TRL's unwrap_model_for_generation makes on a ZeRO-3 engine (its remove_hooks / add_hooks inside
     GatheredParameters over every parameter), then training: outputs and parameters as plain torch's."""
-    import copy
-
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
-    torch.manual_seed(0)
-    model = _net()
-    plain = copy.deepcopy(model)
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_clipping": 0.0,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1}
-    }  # yapf: disable
-    engine = deepspeed.initialize(model=model, config=cfg)[0]
+    engine, model, plain = _zero3_sgd_engine()
     x = torch.randn(2, 4)
     engine.backward(engine(x).pow(2).sum())  # a step before generation, as in RL loops
     engine.step()
