@@ -62,30 +62,23 @@ class ElementwiseOptimizer(torch.optim.Optimizer):
                     self.sparse_update(group, p, p.grad, state)
                 else:
                     dense.append(p)
-            by_dtype = {}
+            by_dtype = {}  # one foreach update per (device, dtype)
             for p in dense:
-                by_dtype.setdefault((p.device, p.dtype, self._widens(p)), []).append(p)
-            for (_, _, widens), params in by_dtype.items():
+                by_dtype.setdefault((p.device, p.dtype), []).append(p)
+            for params in by_dtype.values():
+                widens = self._widens(params[0])
+                work = [p.detach().float() if widens else p.detach() for p in params]
+                grads = [p.grad.float() if widens else p.grad.to(p.dtype) for p in params]
                 states = [self.state[p] for p in params]
-                step = states[0]['step'] if len({s['step'] for s in states}) == 1 else None
-                if widens:
-                    work = [p.detach().float() for p in params]
-                    grads = [p.grad.float() for p in params]
-                else:
-                    work = [p.detach() for p in params]
-                    grads = [p.grad.to(p.dtype) for p in params]
-                if step is None:  # parameters at different step counts (added later): one at a time
-                    for w, g, s in zip(work, grads, states):
-                        self.update(group, [w], [g], [[s[k]] for k in self.STATE_KEYS], s['step'])
-                else:
-                    self.update(group, work, grads, [[s[k] for s in states] for k in self.STATE_KEYS], step)
+                self.update(group, work, grads, [[s[k] for s in states] for k in self.STATE_KEYS])
                 if widens:
                     for p, w in zip(params, work):
                         p.copy_(w)
         return loss
 
-    def update(self, group, params, grads, state_lists, step):
-        """Update ``params`` in place from ``grads``; ``state_lists[i]`` is the list of ``STATE_KEYS[i]``."""
+    def update(self, group, params, grads, state_lists):
+        """Update ``params`` in place from ``grads``; ``state_lists[i]`` is the list of ``STATE_KEYS[i]``. (The
+        step count, ``state['step']``, is kept for upstream's layout; neither Lion nor Adagrad uses it.)"""
         raise NotImplementedError
 
     def sparse_update(self, group, param, grad, state):

@@ -38,7 +38,7 @@ class DeepSpeedCPUAdagrad(ElementwiseOptimizer):
                          dict(lr=lr, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad),
                          fp32_optimizer_states=fp32_optimizer_states)
 
-    def update(self, group, params, grads, state_lists, step):
+    def update(self, group, params, grads, state_lists):
         sums = state_lists[0]
         if group['weight_decay'] != 0:
             grads = torch._foreach_add(grads, params, alpha=group['weight_decay'])

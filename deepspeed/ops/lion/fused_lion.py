@@ -24,7 +24,7 @@ class LionUpdate:
 
     STATE_KEYS = ('exp_avg', )
 
-    def update(self, group, params, grads, state_lists, step):
+    def update(self, group, params, grads, state_lists):
         beta1, beta2 = group['betas']
         lion_through_fp32_(params, grads, state_lists[0], group['lr'], beta1, beta2, group['weight_decay'])
 
