@@ -148,7 +148,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self._configure_stage()
             self._instruments.attach_stage(self._stage)
         elif cfg.zero_optimization_stage == 3:
-            self._configure_evaluation_stage()
+            self._configure_stage()
         self._audit = AuditSchedule(self, cfg.gradient_audit_config)
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
@@ -244,14 +244,25 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         return self.window.micro_steps
 
     def _configure_stage(self):
+        """The ZeRO stage and the optimizer ``initialize`` returns. Without an optimizer (ZeRO-3 evaluation, as
+        upstream's parameter-offload-only engine) the stage gets an internal optimizer with no parameters: every
+        parameter is frozen, the stage partitions and gathers them around each forward and steps nothing, and
+        ``engine.optimizer`` stays None."""
         cfg = self._config
+        inner = self.basic_optimizer
+        if inner is None:
+            inner = torch.optim.SGD([{"params": []}], lr=0.0)
         self._stage = build_stage(StageConfig.from_ds_config(cfg, self._dtype),
                                   self.module,
-                                  self.basic_optimizer,
+                                  inner,
                                   self.window,
                                   device=self.device,
                                   group=self.data_parallel_group,
                                   reduction=self._reduction_plan)
+        self._ownership = ownership.Ownership(self._stage)
+        self._unused_check = None
+        if self.basic_optimizer is None:
+            return
         # The optimizer's class is the one upstream returns for this configuration (isinstance checks).
         optimizer_class = returned_optimizer_class(cfg.zero_optimization_stage, self._dtype, cfg.grad_accum_dtype,
                                                    self.basic_optimizer,
@@ -263,26 +274,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                                   cfg.gradient_clipping,
                                                   self.zero_grad,
                                                   check_overflow=cfg.check_grad_overflow)
-        self._ownership = ownership.Ownership(self._stage)
-        self._unused_check = None
         if cfg.zero_optimization_stage in (1, 2, 3) and not cfg.zero_config.ignore_unused_parameters:
             self._unused_check = UnusedParameterCheck(self.module, self.data_parallel_group, self.device)
-
-    def _configure_evaluation_stage(self):
-        """ZeRO-3 without an optimizer (evaluation, as upstream's parameter-offload-only engine): the parameters are
-        partitioned and gathered around each module's forward by the stage, which steps nothing (an internal
-        optimizer with no parameters: every parameter is frozen); ``engine.optimizer`` stays None."""
-        cfg = self._config
-        nothing = torch.optim.SGD([{"params": []}], lr=0.0)
-        self._stage = build_stage(StageConfig.from_ds_config(cfg, self._dtype),
-                                  self.module,
-                                  nothing,
-                                  self.window,
-                                  device=self.device,
-                                  group=self.data_parallel_group,
-                                  reduction=self._reduction_plan)
-        self._ownership = ownership.Ownership(self._stage)
-        self._unused_check = None
 
     def _build_lr_scheduler(self, client_scheduler):
         cfg = self._config
