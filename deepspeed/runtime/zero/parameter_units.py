@@ -289,14 +289,15 @@ class UnitCoordinator:
         return None
 
     def _post_forward(self, units, module, inputs, output):
+        outputs = list(tensors_in(output))  # walked once, for both uses below
         if torch._C._current_graph_task_id() < 0:
             if self._forward_stack and self._forward_stack[-1] is module:
                 self._forward_stack.pop()
-                self._hand_returned_params(module, output)
+                self._hand_returned_params(module, outputs)
             for unit in units:
                 unit.fwd_refs -= 1
         if torch.is_grad_enabled():
-            tensors = [t for t in tensors_in(output) if t.requires_grad]
+            tensors = [t for t in outputs if t.requires_grad]
             if tensors:
                 hook = functools.partial(self._pre_backward, units)
                 for t in tensors:
@@ -304,13 +305,13 @@ class UnitCoordinator:
         for unit in units:
             self._maybe_release(unit)
 
-    def _hand_returned_params(self, module, output):
-        """A parameter ``module`` returns is used by its caller: it becomes an external parameter of the innermost
-        hooked module still running, unless one of those already has it (upstream's rule), and stops being one of
-        ``module``'s own externals."""
+    def _hand_returned_params(self, module, outputs):
+        """A parameter ``module`` returns (among the tensors ``outputs``) is used by its caller: it becomes an external
+        parameter of the innermost hooked module still running, unless one of those already has it (upstream's
+        rule), and stops being one of ``module``'s own externals."""
         if not self._forward_stack:
             return
-        for tensor in tensors_in(output):
+        for tensor in outputs:
             param = tensor if hasattr(tensor, "ds_id") else getattr(tensor, "ds_param_alias", None)
             unit = self._unit_of_param.get(param)
             if unit is None or unit.persistent:
