@@ -9,8 +9,9 @@ The engine moves tuples of tensors with :class:`Exchange`: every transfer of act
 of exactly the announced dtypes and shapes, so nothing is ever received into a buffer of another dtype or
 size. Gradients travel back without a header: both sides know them from the activation header (one
 gradient per tensor that required grad, its dtype and shape). Without ``dynamic_shape`` the first header
-of each stream is kept, and a later one that differs raises :class:`PipelineShapeError` on both ends
-(after the headers are exchanged, before any payload is), instead of computing on data of another shape.
+of each stream is kept, and a later one whose tensors differ in count, dtype or shape raises
+:class:`PipelineShapeError` on both ends (after the headers are exchanged, before any payload is), instead of
+computing on data of another shape; ``requires_grad`` may differ (evaluation and training share the streams).
 
 An exchange posts all its sends and receives together: with NCCL as one ``batch_isend_irecv`` on the pipeline's
 own group (two stages may send to each other in the same exchange). With gloo each transfer is a broadcast in the
@@ -298,18 +299,37 @@ class Exchange:
                 r.then(r.tensors)
 
     def _check_shapes(self):
-        """Without ``dynamic_shape``: every header of a stream equals its first one (raised on both ends)."""
+        """Without ``dynamic_shape``: every header of a stream carries the tensors of its first one (raised on both
+        ends). Only what the transfer's buffers depend on is compared: the number of tensors, their dtypes and
+        shapes. ``requires_grad`` is not: it is False in ``eval_batch`` and True in ``train_batch`` for the same
+        activations, and the receiver takes it from the header it just received."""
         if self.dynamic:
             return
         problems = []
         for op, role in [(s, "sends") for s in self.sends if s.with_header] + \
                 [(r, "receives") for r in self.recvs if r.header is not None]:
             first = self.known.setdefault(op.stream, op.header)
-            if first != op.header:
+            difference = header_difference(decode_header(first), decode_header(op.header))
+            if difference:
                 problems.append(f"this stage {role} {describe(decode_header(op.header))} where the first micro-batch "
-                                f"had {describe(decode_header(first))} (stream {op.stream})")
+                                f"had {describe(decode_header(first))}: {difference} (stream {op.stream})")
         if problems:
             raise PipelineShapeError(
                 "pipeline activations changed shape or dtype without dynamic_shape: " + "; ".join(problems) +
                 ". Build the PipelineModule with dynamic_shape=True, or call engine.reset_activation_shape() "
                 "before a batch whose shapes differ (all micro-batches of one batch must then agree).")
+
+
+def header_difference(first, now):
+    """What differs between two decoded headers in what a transfer depends on (count, dtypes, shapes), in words;
+    ``""`` when they agree."""
+    if len(first) != len(now):
+        return f"{len(now)} tensors instead of {len(first)}"
+    out = []
+    for i, ((dtype0, _, shape0), (dtype1, _, shape1)) in enumerate(zip(first, now)):
+        if dtype0 != dtype1:
+            out.append(f"tensor {i} dtype {str(dtype1).replace('torch.', '')} instead of "
+                       f"{str(dtype0).replace('torch.', '')}")
+        if shape0 != shape1:
+            out.append(f"tensor {i} shape {list(shape1)} instead of {list(shape0)}")
+    return ", ".join(out)
