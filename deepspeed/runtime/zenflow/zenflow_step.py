@@ -23,7 +23,9 @@ step is skipped whole, by the engine, and does not count):
 3. the *device part* (the selected columns and every parameter of fewer than two dimensions)
    takes one Adam step with ``c_t * g_t`` of its elements, every step, on the GPU: it is exact
    every step;
-4. ``c_t * g_t`` is added into the host window accumulator (on a worker thread);
+4. ``c_t * g_t`` is added into the window sum (``host_window.py``): on the device when the stage keeps its
+   gradient partitions there (ZeRO 1/2 without ``zenflow.offload``: nothing moves to the host per step), else
+   on the host, on an accumulation thread;
 5. a window closes at step ``t`` when ``(t + 1 - full_warm_up_rounds)`` is a multiple of
    ``update_interval`` (or by the "auto" rule below), and before every selection: the host optimizer
    steps every master with the mean ``(1/n) sum c_t g_t`` of its ``n`` steps (``window_update``:
@@ -46,6 +48,10 @@ count). The quantities are reduced over ranks, so every rank decides alike.
 
 Threads: the training thread keeps ``pt_reserved_cores_perc`` of the cores (torch's intra-op
 threads), the host worker takes the rest.
+
+Work per ``engine.step()`` (``counts`` here and in ``HostWindow.counts``; tests count it): one device-part
+step and one accumulation; with host partitions also one copy of the selected gradient to the device; one host
+step per closed window, which overlaps the next window's steps (``overlap_step``).
 """
 
 import torch
