@@ -45,13 +45,18 @@ def parse_args(argv=None):
     ap.add_argument("--bucket-size", type=float, default=5e7)
     ap.add_argument("--unit-size", type=float, default=4e7)
     ap.add_argument("--ds-extra", type=json.loads, default={}, help="a JSON object merged into the DeepSpeed config")
+    ap.add_argument("--zenflow",
+                    type=json.loads,
+                    default={},
+                    help="+zenflow systems: the zenflow section (a JSON object)")
+    ap.add_argument("--profile-steps", type=int, default=1, help="optimizer steps profiled together (after --warmup)")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--timeline", action="store_true", help="print the DS:: ranges and the device's busy bins in time")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--pg-timeout-min", type=float, default=10.0)
     args = ap.parse_args(argv)
-    args.steps = 1
+    args.steps = args.profile_steps
     return args
 
 
@@ -133,7 +138,8 @@ def main(argv=None):
               clip=1.0,
               bucket_size=int(args.bucket_size),
               unit_size=int(args.unit_size),
-              ds_extra=args.ds_extra)
+              ds_extra=args.ds_extra,
+              zenflow=args.zenflow)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for name in args.systems.split(","):
         torch.manual_seed(SEED)
@@ -145,13 +151,23 @@ def main(argv=None):
             system.step(micro_batches)
         if device.type == "cuda":
             torch.cuda.synchronize()
+        zenflow = getattr(getattr(getattr(system, "engine", None), "_stage", None), "zenflow", None)
+        busy = zenflow.window.busy if zenflow is not None else None
+        if busy is not None:
+            zenflow.window.wait()
+            busy.update(accumulate_s=0.0, host_step_s=0.0)
         with profile(activities=activities) as prof:
             start = time.perf_counter()
-            system.step(data[args.warmup])
+            for micro_batches in data[args.warmup:args.warmup + args.profile_steps]:
+                system.step(micro_batches)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
-        system.close()
+        counts = dict(getattr(zenflow.window, "counts", {}), **getattr(zenflow, "counts", {})) if zenflow else None
+        system.close()  # waits for the host worker
+        if rank == 0 and busy is not None:
+            print(f"ZenFlow host worker during the profiled steps (s): {busy}; counts since the start: {counts}",
+                  flush=True)
         if rank == 0:
             print(summarize(prof, wall, name, args.top), flush=True)
             trace = None

@@ -5,7 +5,8 @@
 and writes, per system that ran: the first optimizer step whose loss is at or below each threshold, the seconds the
 steps up to it took (every step counted, warm-up steps too, since their progress counts: the cumulative step time),
 the same with each step's time capped at the system's median step time (one-off costs such as a first step's JIT
-build or first-touch allocation left out), the median step time and the loss after the last step. ``--plot`` draws
+build or first-touch allocation left out), the median step time, the mean of the timed steps (every one counted,
+host steps included) and the loss after the last step. ``--plot`` draws
 the loss against cumulative step time (needs matplotlib). A system named twice (two runs) keeps both rows, labelled
 by file.
 """
@@ -55,8 +56,8 @@ def load(paths):
 def render(rows, thresholds):
     head = " | ".join(f"to {t:g}: step / s / s capped" for t in thresholds)
     lines = [
-        f"| system | {head} | median step (s) | steps | final loss |",
-        "| --- | " + " | ".join("---:" for _ in thresholds) + " | ---: | ---: | ---: |",
+        f"| system | {head} | median step (s) | mean timed step (s) | steps | final loss |",
+        "| --- | " + " | ".join("---:" for _ in thresholds) + " | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         if row.get("status") != "ok":
@@ -66,8 +67,9 @@ def render(rows, thresholds):
         for hit in time_to_loss(row, thresholds):
             cells.append("not reached" if hit is None else f"{hit[0]} / {hit[1]:.2f} / {hit[2]:.2f}")
         times = step_times(row)
-        lines.append(f"| {row['label']} | {' | '.join(cells)} | {statistics.median(times):.3f} | {len(times)} | "
-                     f"{row['losses'][-1]:.4f} |")
+        timed = list(row["step_times_s"])
+        lines.append(f"| {row['label']} | {' | '.join(cells)} | {statistics.median(times):.3f} | "
+                     f"{statistics.mean(timed):.3f} | {len(times)} | {row['losses'][-1]:.4f} |")
     return "\n".join(lines) + "\n"
 
 

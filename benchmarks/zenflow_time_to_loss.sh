@@ -12,6 +12,9 @@
 # each), e.g. VARIANTS='once:{"window_update":"once","overlap_apply_after":"window"}'.
 # REUSE_BASE=1 keeps OUT/base.jsonl of an earlier call (only the variants and upstream run).
 # T_BASE, T_UPSTREAM, T_RUN: time limits (s) of the base run, the upstream run and each variant.
+# BASE_SYSTEMS: this package's systems of the base run (default ds_zero2+offload,ds_zero2+zenflow; add ds_zero2 for
+# no offload). WARMUP: untimed steps before the STEPS timed ones (default 0); their times and losses still count in
+# the time to a loss. The table gives each system's median and mean timed step.
 # The reference model on one GPU by default; MODEL="--device cpu --d-model 128 ..." for a small one.
 #
 #   bash benchmarks/zenflow_time_to_loss.sh OUT_DIR [STEPS]
@@ -26,7 +29,8 @@ PY=${PYTHON:-python3}
 # shellcheck disable=SC2206
 MODEL=(${MODEL:-})
 THRESHOLDS=${THRESHOLDS:-9.0 8.8}
-COMMON=("${MODEL[@]}" --warmup 0 --steps "$STEPS" --zenflow-topk 0.1 --zenflow-update-interval 4)
+COMMON=("${MODEL[@]}" --warmup "${WARMUP:-0}" --steps "$STEPS" --zenflow-topk 0.1 --zenflow-update-interval 4)
+BASE_SYSTEMS=${BASE_SYSTEMS:-ds_zero2+offload,ds_zero2+zenflow}
 
 label() {  # label the rows of a JSON-lines file: label FILE PREFIX
     "$PY" - "$1" "$2" <<'PY'
@@ -42,7 +46,7 @@ PY
 
 files=("$OUT/base.jsonl")
 if [ "${REUSE_BASE:-0}" != 1 ] || [ ! -f "$OUT/base.jsonl" ]; then
-    timeout "${T_BASE:-600}" "$PY" benchmarks/train_bench.py "${COMMON[@]}" --systems ds_zero2+offload,ds_zero2+zenflow \
+    timeout "${T_BASE:-600}" "$PY" benchmarks/train_bench.py "${COMMON[@]}" --systems "$BASE_SYSTEMS" \
         --out "$OUT/base.md" >"$OUT/base.log" 2>&1 || echo "base run failed: see $OUT/base.log"
 fi
 UP_PY=${UPSTREAM_PYTHON:-}

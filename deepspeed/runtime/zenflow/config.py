@@ -190,6 +190,14 @@ def accumulation_steps(zenflow, gradient_accumulation_steps):
     return 1
 
 
+def window_on_device(cfg):
+    """ZeRO 1/2: whether the stage keeps its gradient partitions on the device and ZenFlow's window sums there
+    (``host_window.py``): unless ``zenflow.offload`` asks to keep the device's memory for the model (then the
+    partitions and the window sum are on the host, at the cost of host passes every step). ZeRO-3 always sums on
+    the host."""
+    return not cfg.offload
+
+
 def check_zenflow_stage(cfg, stage, offload_optimizer):
     """NotImplementedError / ValueError unless ZenFlow can run on this stage (a pure check: every rank raises)."""
     if cfg is None:

@@ -47,7 +47,7 @@ def _host_step_of(stage, parts, coef):
     if coef != 1.0:
         grad_ops.scale_(parts, coef)
     for master, part in zip(stage.masters, parts):
-        master.grad = part if part.dtype == torch.float32 else part.float()
+        master.grad = part.to(device=master.device, dtype=torch.float32)  # itself when already a host fp32 tensor
     try:
         stage.host_step.step()
     finally:
@@ -58,10 +58,11 @@ def _host_step_of(stage, parts, coef):
 class PartitionedIO:
     """ZeRO 1/2 (see the module docstring)."""
 
-    def __init__(self, stage):
+    def __init__(self, stage, window_on_device=False):
         self.stage = stage
         self.layout = stage.layout
         self.num_groups = self.layout.num_groups
+        self.window_on_device = window_on_device  # the stage keeps its gradient partitions on the device
 
     def weights(self):
         return [(p, tuple(p.shape)) for p in self.layout.params]
@@ -114,6 +115,8 @@ class PartitionedIO:
 
 class UnitIO:
     """ZeRO 3 (see the module docstring)."""
+
+    window_on_device = False  # the stage's gradient partitions are on the host
 
     def __init__(self, stage):
         self.stage = stage

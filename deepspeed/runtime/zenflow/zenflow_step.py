@@ -23,7 +23,9 @@ step is skipped whole, by the engine, and does not count):
 3. the *device part* (the selected columns and every parameter of fewer than two dimensions)
    takes one Adam step with ``c_t * g_t`` of its elements, every step, on the GPU: it is exact
    every step;
-4. ``c_t * g_t`` is added into the host window accumulator (on a worker thread);
+4. ``c_t * g_t`` is added into the window sum (``host_window.py``): on the device when the stage keeps its
+   gradient partitions there (ZeRO 1/2 without ``zenflow.offload``: nothing moves to the host per step), else
+   on the host, on an accumulation thread;
 5. a window closes at step ``t`` when ``(t + 1 - full_warm_up_rounds)`` is a multiple of
    ``update_interval`` (or by the "auto" rule below), and before every selection: the host optimizer
    steps every master with the mean ``(1/n) sum c_t g_t`` of its ``n`` steps (``window_update``:
@@ -46,6 +48,10 @@ count). The quantities are reduced over ranks, so every rank decides alike.
 
 Threads: the training thread keeps ``pt_reserved_cores_perc`` of the cores (torch's intra-op
 threads), the host worker takes the rest.
+
+Work per ``engine.step()`` (``counts`` here and in ``HostWindow.counts``; tests count it): one device-part
+step and one accumulation; with host partitions also one copy of the selected gradient to the device; one host
+step per closed window, which overlaps the next window's steps (``overlap_step``).
 """
 
 import torch
@@ -84,16 +90,28 @@ class ZenFlowStep:
         self.main_threads = len(main_cores)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.main_threads)
-        self.window = HostWindow(stage.host_step, threads=len(worker_cores), update=cfg.window_update)
-        parts = list(stage.geometry.grad_parts)
-        self.part_sets = [parts, [pinned(torch.zeros_like(p), pin) for p in parts]]
+        # ZeRO 1/2 without zenflow.offload: the stage keeps its gradient partitions on the device, and the window
+        # sums there (host_window.py); otherwise the partitions are on the host, in two sets (_swap_parts)
+        self.on_device = bool(getattr(io, "window_on_device", False))
+        self.window = HostWindow(stage.host_step,
+                                 threads=len(worker_cores),
+                                 update=cfg.window_update,
+                                 device=stage.device if self.on_device else None,
+                                 pin_memory=pin)
+        self.part_sets = None
+        if not self.on_device:
+            parts = list(stage.geometry.grad_parts)
+            self.part_sets = [parts, [pinned(torch.zeros_like(p), pin) for p in parts]]
         self.part_busy = [DONE, DONE]
         self.active = 0
         for master in stage.masters:
             master.grad = None  # ZenFlow gives the masters their gradient for each host step
         self.transfers = HostTransfers(stage.device)
-        self._grad_staging = None
+        self._grad_staging = None  # host path: pinned host buffers of the selected gradient
+        self._gathered = None  # device path: device buffers of the selected gradient
+        self._raw_selected = None  # this step's selected gradient before clipping (the "auto" rule reads it)
         self._grad_copy = DONE
+        self.counts = dict(steps=0, selected_grad_copies=0)  # selected gradients copied host to device
         self.steps = 0  # applied ZenFlow steps (engine.step() calls)
         self.selected_at = None  # step of the last selection
         self.coef = 1.0
@@ -130,10 +148,14 @@ class ZenFlowStep:
             else:
                 if self._selection_due():
                     self._select(parts)
-                grads = self._selected_grads(parts, coef)
+                grads = self._selected_grads(parts)
                 closes = self._window_closes(parts)
+                if coef != 1.0:
+                    grad_ops.scale_(grads, coef)
                 values = self.device_part.step(grads, stage.optimizer.param_groups)
-                self._swap_parts(self.window.accumulate(parts, coef))
+                added = self.window.accumulate(parts, coef)
+                if not self.on_device:
+                    self._swap_parts(added)
                 if closes:
                     self._close_window()
                 elif self._apply_due():
@@ -144,6 +166,7 @@ class ZenFlowStep:
                 self.selection.scatter(values, self.io.targets(), at="target")
                 self.io.publish()
         self.steps += 1
+        self.counts["steps"] += 1
 
     def _select(self, parts):
         with ds_range("DS::zenflow_select"):
@@ -160,26 +183,34 @@ class ZenFlowStep:
             self.selected_at = self.steps
             self._auto = None
 
-    def _selected_grads(self, parts, coef):
-        """``c_t * g_t`` of the selected elements, on the device (gathered on the host, copied asynchronously)."""
+    def _selected_grads(self, parts):
+        """``g_t`` of the selected elements, in device buffers the caller may scale: gathered on the device from
+        device partitions, or on the host and copied asynchronously."""
         sizes = list(self.selection.numel)
+        device = self.stage.device
+        if self.on_device:
+            if self._gathered is None or [b.numel() for b in self._gathered] != sizes:
+                self._gathered = self.selection.new_buffers(device=device)
+            grads = self.selection.gather(parts, self._gathered)
+            self._raw_selected = grads  # read by the auto rule before the caller scales them
+            return grads
         self._grad_copy.synchronize()  # the staging buffers are rewritten below
         if self._grad_staging is None or [b.numel() for b in self._grad_staging] != sizes:
             self._grad_staging = self.selection.new_buffers(pin_memory=self.stage.config.pin_memory)
         host = self.selection.gather(parts, self._grad_staging)
-        device = self.stage.device
+        self._raw_selected = host
         grads = [torch.empty(h.numel(), dtype=torch.float32, device=device) for h in host]
         self._grad_copy = self.transfers.copy_many(list(zip(grads, host)))
         self._grad_copy.wait_stream()
-        if coef != 1.0:
-            grad_ops.scale_(grads, coef)
+        self.counts["selected_grad_copies"] += 1
         return grads
 
     def _swap_parts(self, busy):
         """The worker reads the partitions just handed to it; the next step's gradient goes to the other set."""
         self.part_busy[self.active] = busy
         other = 1 - self.active
-        self.part_busy[other].synchronize()
+        with ds_range("DS::zenflow_wait"):
+            self.part_busy[other].synchronize()
         self.stage.geometry.use_partitions(self.part_sets[other])
         self.active = other
 
@@ -188,7 +219,8 @@ class ZenFlowStep:
             if self.cfg.overlap_step:
                 if self.pending_apply:
                     if self.window.launched is not None:  # the previous window's host step (not this accumulation)
-                        self.window.launched.synchronize()
+                        with ds_range("DS::zenflow_wait"):
+                            self.window.launched.synchronize()
                     self._apply()
                 self.window.launch()
                 self.pending_apply = True
@@ -223,7 +255,7 @@ class ZenFlowStep:
 
     def _auto_closes(self, parts):
         selection = self.selection
-        sums = selection.weight_sums(parts, self._grad_staging)
+        sums = selection.weight_sums(parts, self._raw_selected)
         if dist.is_initialized() and dist.get_world_size(self.stage.group) > 1:
             reduced = sums.to(torch.float32).to(self.stage.device)
             dist.all_reduce(reduced, group=self.stage.group)
@@ -272,7 +304,7 @@ class ZenFlowStep:
                     steps=self.steps,
                     selected_at=self.selected_at,
                     window_count=self.window.count,
-                    acc=[a.clone() for a in self.window.acc] if self.window.count else None,
+                    acc=[a.detach().to("cpu", copy=True) for a in self.window.acc] if self.window.count else None,
                     pending_apply=self.pending_apply,
                     launched_at=self.launched_at,
                     columns=self.selection.state(),

@@ -9,11 +9,12 @@ from deepspeed.runtime.zero.transfers import pinned
 def master_partition(values, grad, pin_memory):
     """An fp32 master partition (an optimizer parameter) holding ``values``.
 
-    Its ``.grad`` is ``grad`` (the window gradient partition) when that is float32; with a
-    lower-precision window the stage attaches a float32 copy for each step instead.
+    Its ``.grad`` is ``grad`` (the window gradient partition) when that is float32 and on the master's device;
+    with a lower-precision window the stage attaches a float32 copy for each step instead (ZenFlow, whose
+    partitions may stay on the device, attaches its window's mean).
     """
     master = torch.nn.Parameter(pinned(values, pin_memory))
-    if grad.dtype == torch.float32:
+    if grad.dtype == torch.float32 and grad.device == master.device:
         master.grad = grad
     return master
 

@@ -25,6 +25,7 @@ bucket by bucket.
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.zenflow.config import window_on_device
 from deepspeed.runtime.zenflow.stage_io import PartitionedIO
 from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
 from deepspeed.runtime.zero import grad_ops
@@ -61,6 +62,10 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
             raise ValueError(f"ZeRO stage {config.stage} needs one dtype for all trainable parameters, found {dtypes}")
         model_dtype = dtypes.pop() if dtypes else torch.float32
         self.part_device = torch.device(config.offload_optimizer) if config.offload_optimizer else self.device
+        # ZenFlow (without zenflow.offload) keeps the gradient partitions on the device, where its window sums; the
+        # masters and the optimizer stay on the host (runtime/zenflow/host_window.py)
+        zenflow_on_device = config.zenflow is not None and window_on_device(config.zenflow)
+        offload_grads = bool(config.offload_optimizer) and not zenflow_on_device
 
         # The model's trainable parameters become views of one flat buffer, so that the
         # all-gather after the step writes straight into them.
@@ -74,7 +79,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         geometry = PartitionGeometry(layout,
                                      persistent_staging=config.stage == 1,
                                      use_reduce_scatter=config.use_reduce_scatter,
-                                     **self._geometry_args(self.part_device if config.offload_optimizer else None))
+                                     **self._geometry_args(self.part_device if offload_grads else None))
         self._build_pipeline(geometry,
                              reduce_in_every_backward=config.stage == 2,
                              in_flight_limit=self._in_flight_limit())
@@ -102,7 +107,8 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                                          and config.accum_dtype == torch.float32):
             self.release()
             raise NotImplementedError(NEEDS_PIPELINED_STEP)
-        self.zenflow = ZenFlowStep(self, config.zenflow, PartitionedIO(self)) if config.zenflow is not None else None
+        self.zenflow = ZenFlowStep(self, config.zenflow, PartitionedIO(self, zenflow_on_device)) \
+            if config.zenflow is not None else None
         self._forward_waits = PieceWaits(self, module) if self._pipelined() and self.world_size == 1 else None
         if self._pipelined():
             geometry.folder.barrier = self.host_step.finish  # the next backward writes what the step reads
