@@ -24,9 +24,9 @@ def widths(seed):
 
 class Net(torch.nn.Module):
 
-    def __init__(self, seed, bias=True, embed=True):
+    def __init__(self, seed, bias=True, embed=True, init_seed=None):
         super().__init__()
-        torch.manual_seed(seed)
+        torch.manual_seed(seed if init_seed is None else init_seed)
         w = widths(seed)
         self.embed = torch.nn.Embedding(VOCAB, w[0]) if embed else None
         self.width = w[0]
@@ -34,7 +34,7 @@ class Net(torch.nn.Module):
         self.lm_head = torch.nn.Linear(w[-2], w[-1], bias=False)
 
     def forward(self, ids, y):
-        x = self.embed(ids) if self.embed is not None else torch.nn.functional.one_hot(ids, self.width).float()
+        x = self.embed(ids) if self.embed is not None else torch.nn.functional.one_hot(ids % self.width, self.width).float()
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return ((self.lm_head(x).squeeze(-1) - y)**2).mean()

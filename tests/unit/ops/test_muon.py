@@ -7,6 +7,8 @@ with :class:`muon_cases.Reference`, a single-process plain-torch Muon + AdamW on
 ``torch.optim.Muon`` is compared with torch's own Muon stepping the same model in one process.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -89,3 +91,133 @@ CELLS = [
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_muon_matches_reference(cell):
     assert all(run_distributed(train_worker, cell["world"], args=(cell, ), timeout=180))
+
+
+# ------------------------------------------------------------------ client torch.optim.Muon
+def torch_muon_worker(stage, seed):
+    import copy
+    import deepspeed
+    import deepspeed.comm as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = cases.Net(seed, bias=False, embed=False)  # every parameter a matrix: torch's Muon takes only those
+    reference = copy.deepcopy(model)
+    kwargs = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    theirs = torch.optim.Muon(reference.parameters(), **kwargs)
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}}
+    engine, _, _, _ = deepspeed.initialize(model=model,
+                                           optimizer=torch.optim.Muon(model.parameters(), **kwargs),
+                                           config=config)
+    for step in range(STEPS):
+        engine.backward(engine(*cases.batch(step, 0, rank)))
+        engine.step()
+        theirs.zero_grad()
+        for r in range(world):
+            (reference(*cases.batch(step, 0, r)) / world).backward()
+        theirs.step()
+        ours = _full_params(engine, model)
+        for name, p in reference.named_parameters():
+            # torch's Newton-Schulz runs in bfloat16: a gradient one float32 rounding away may round one element
+            # of the bfloat16 iterate the other way, so the bound is the bfloat16 step of lr * O, not float32's
+            torch.testing.assert_close(ours[name], p.detach(), rtol=0, atol=2e-3, msg=lambda m: f"{step} {name}: {m}")
+    engine.destroy()
+    return True
+
+
+@pytest.mark.parametrize("stage,world", [(3, 3)])
+def test_client_torch_muon_on_partitions(stage, world):
+    assert all(run_distributed(torch_muon_worker, world, args=(stage, 7), timeout=180))
+
+
+# ------------------------------------------------------------------ checkpoints
+GLOBAL_BATCH = 12
+
+
+def global_batch(step, rank, world):
+    """Rank ``rank``'s share of one global batch of 12 samples, the same samples at every world size."""
+    ids, y = cases.batch(step, 0, 0, n=GLOBAL_BATCH)
+    n = GLOBAL_BATCH // world
+    return ids[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def _ckpt_config(stage, world):
+    return {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "optimizer": {
+            "type": "Muon",
+            "params": {
+                "lr": 0.02,
+                "adam_lr": 1e-3
+            }
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 40
+        },
+    }
+
+
+def _losses(engine, steps, world):
+    import deepspeed.comm as dist
+    losses = []
+    for step in steps:
+        loss = engine(*global_batch(step, dist.get_rank(), world))
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def ckpt_save_worker(root, stage):
+    import deepspeed
+    import deepspeed.comm as dist
+    from tests.unit.checkpoint.test_checkpoint_resume import attach_checkpointing
+    attach_checkpointing()
+    world = dist.get_world_size()
+    model = cases.Net(8)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=_ckpt_config(stage, world))
+    _losses(engine, range(2), world)
+    engine.save_checkpoint(root, tag="t")
+    continued = _losses(engine, range(2, 4), world)
+    engine.destroy()
+    return continued
+
+
+def ckpt_load_worker(root, stage, universal):  # universal: the latest tag (the converted folder) is loaded
+    import deepspeed
+    import deepspeed.comm as dist
+    from tests.unit.checkpoint.test_checkpoint_resume import attach_checkpointing
+    attach_checkpointing()
+    world = dist.get_world_size()
+    config = _ckpt_config(stage, world)
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    model = cases.Net(8, init_seed=9)  # other initial values: everything comes from the checkpoint
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    path, _ = engine.load_checkpoint(root, tag=None if universal else "t")
+    assert path is not None
+    momenta = [s["momentum_buffer"] for s in engine.optimizer.optimizer.state.values() if "momentum_buffer" in s]
+    assert momenta and all(m.abs().sum() > 0 for m in momenta), "the momentum buffers were not restored"
+    resumed = _losses(engine, range(2, 4), world)
+    engine.destroy()
+    return resumed
+
+
+def test_checkpoint_reshard_and_universal(tmp_path):
+    """Saved at ZeRO-2 on 2 ranks; loaded at ZeRO-3 on 3 ranks, at ZeRO-0 on 1 and, converted to the universal
+    format, at ZeRO-1 on 2: the next two losses equal the continued run's."""
+    from tests.unit.checkpoint.test_universal_checkpoint import convert
+    root = str(tmp_path / "ckpt")
+    continued = run_distributed(ckpt_save_worker, 2, args=(root, 2))[0]
+    for stage, world in ((3, 3), (0, 1)):
+        resumed = run_distributed(ckpt_load_worker, world, args=(root, stage, False))[0]
+        assert resumed == pytest.approx(continued, rel=1e-5), (stage, world)
+    universal = str(tmp_path / "ckpt" / "t_universal")
+    done = convert(str(tmp_path / "ckpt" / "t"), universal)
+    assert done.returncode == 0, done.stderr
+    assert os.path.exists(os.path.join(universal, "zero", "layers.0.weight", "momentum_buffer.pt"))
+    with open(os.path.join(root, "latest_universal"), "w") as handle:
+        handle.write("t_universal")
+    resumed = run_distributed(ckpt_load_worker, 2, args=(root, 1, True))[0]
+    assert resumed == pytest.approx(continued, rel=1e-5)
