@@ -195,7 +195,10 @@ def install_matrix_step(stage, blocks_of, spec=None):
     params = stage.layout.params
     unsupported = [(stage.reduction.has_experts(params), "expert parameters (deepspeed.moe)"),
                    (bool(stage.reduction.tensor), "tensor parallelism (AutoTP)"),
-                   (stage.config.zenflow is not None, "ZenFlow (zero_optimization.zenflow)")]
+                   (stage.config.zenflow is not None, "ZenFlow (zero_optimization.zenflow)"),
+                   (stage.config.optimizer_swap is not None, "offload_optimizer.device 'nvme'"),
+                   (stage.config.offload_optimizer is not None and stage.config.offload_ratio < 1.0,
+                    "offload_optimizer.ratio < 1")]
     for bad, what in unsupported:
         if bad:
             raise NotImplementedError(f"the Muon optimizer with {what} on ZeRO stage {stage.config.stage} is not "

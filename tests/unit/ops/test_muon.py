@@ -221,3 +221,39 @@ def test_checkpoint_reshard_and_universal(tmp_path):
         handle.write("t_universal")
     resumed = run_distributed(ckpt_load_worker, 2, args=(root, 1, True))[0]
     assert resumed == pytest.approx(continued, rel=1e-5)
+
+
+# ------------------------------------------------------------------ single process: split, keys, Newton-Schulz
+def test_split_keys_and_defaults():
+    from deepspeed.ops.muon import tag_muon_params
+    from deepspeed.runtime.optimizer_factory import build_optimizer
+    model = cases.Net(3)
+    model.layers[0].weight.use_muon = False  # a user's marking is kept
+    model.layers[1].bias.ds_shape = torch.Size([2, 3])  # a zero.Init placeholder reports its layer shape
+    tag_muon_params(model)
+    names = {n for n, p in model.named_parameters() if p.use_muon}
+    assert names == {"layers.1.bias", "layers.1.weight", "layers.2.weight"}
+    del model.layers[1].bias.ds_shape
+    model.layers[1].bias.use_muon = False
+    opt = build_optimizer("Muon", model.parameters(), {"muon_lr": 0.05, "weight_decay": 0.1})
+    muon, adam = opt.param_groups
+    assert (muon["name"], muon["lr"], muon["momentum"], muon["ns_method"], muon["ns_steps"], muon["weight_decay"]) \
+        == ("muon-params", 0.05, 0.95, "gram", 5, 0.1)
+    assert (adam["name"], adam["lr"], adam["betas"], adam["eps"], adam["weight_decay"]) \
+        == ("adam-params", 3e-4, (0.9, 0.95), 1e-10, 0.1)
+    with pytest.raises(ValueError, match="nesterovv"):
+        build_optimizer("Muon", model.parameters(), {"nesterovv": True})
+    with pytest.raises(NotImplementedError, match="per_head_muon"):
+        build_optimizer("Muon", model.parameters(), {"per_head_muon": True})
+    bare = torch.nn.Parameter(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="use_muon"):
+        build_optimizer("Muon", [bare], {})
+
+
+@pytest.mark.parametrize("shape", [(7, 3), (3, 7), (5, 5), (1, 9), (9, 1), (1, 1)])
+def test_newton_schulz_variants_match_reference(shape):
+    from deepspeed.ops.muon import orthogonalize
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
+    expected = cases.newton_schulz(G)
+    for method in ("gram", "standard"):
+        torch.testing.assert_close(orthogonalize(G, 5, method), expected, rtol=1e-4, atol=1e-5)
