@@ -55,9 +55,13 @@ def config(system, micro, clip=1.0):
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": clip,
-        "bf16": {"enabled": torch.cuda.is_available()},
+        "bf16": {
+            "enabled": torch.cuda.is_available()
+        },
         "optimizer": optimizer,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {
+            "stage": stage
+        },
         "steps_per_print": 10**9,
     }
 
@@ -76,11 +80,18 @@ def run(system, size, steps, warmup, clip=1.0):
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     torch.manual_seed(0)
     model = MuonGPT(cfg)
-    result = dict(system=system, deepspeed=deepspeed.__file__, version=deepspeed.__version__, size=size,
-                  device=torch.cuda.get_device_name(0) if cuda else "cpu", d_model=cfg.d_model,
-                  n_layers=cfg.n_layers, seq=cfg.seq, micro=micro)
+    result = dict(system=system,
+                  deepspeed=deepspeed.__file__,
+                  version=deepspeed.__version__,
+                  size=size,
+                  device=torch.cuda.get_device_name(0) if cuda else "cpu",
+                  d_model=cfg.d_model,
+                  n_layers=cfg.n_layers,
+                  seq=cfg.seq,
+                  micro=micro)
     try:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+        engine, _, _, _ = deepspeed.initialize(model=model,
+                                               model_parameters=model.parameters(),
                                                config=config(system, micro, clip))
     except Exception as error:  # upstream's ZeRO-3 refusal is a result
         result.update(status="refused", error=f"{type(error).__name__}: {error}"[:300])

@@ -72,7 +72,7 @@ def muon_param_groups(params, optimizer_params):
         groups.append({"params": loose})
     halves = ((True, "muon", MUON_KEYS, _half_settings(optimizer_params, MUON_KEYS, "muon_lr")),
               (False, "adam", ADAM_KEYS + _ADAM_ONLY_GROUP_KEYS, _half_settings(optimizer_params, ADAM_KEYS,
-                                                                              "adam_lr")))
+                                                                                "adam_lr")))
     out = []
     for index, group in enumerate(groups):
         trainable = [p for p in group["params"] if p.requires_grad]

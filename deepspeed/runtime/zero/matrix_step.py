@@ -197,8 +197,8 @@ def install_matrix_step(stage, blocks_of, spec=None):
                    (bool(stage.reduction.tensor), "tensor parallelism (AutoTP)"),
                    (stage.config.zenflow is not None, "ZenFlow (zero_optimization.zenflow)"),
                    (stage.config.optimizer_swap is not None, "offload_optimizer.device 'nvme'"),
-                   (stage.config.offload_optimizer is not None and stage.config.offload_ratio < 1.0,
-                    "offload_optimizer.ratio < 1")]
+                   (stage.config.offload_optimizer is not None
+                    and stage.config.offload_ratio < 1.0, "offload_optimizer.ratio < 1")]
     for bad, what in unsupported:
         if bad:
             raise NotImplementedError(f"the Muon optimizer with {what} on ZeRO stage {stage.config.stage} is not "
@@ -206,7 +206,11 @@ def install_matrix_step(stage, blocks_of, spec=None):
     group, world, rank = (stage.group, stage.world_size, stage.rank) if spec is None else \
         (spec.group, spec.world_size, spec.rank)
     optimizer.set_matrix_step(
-        PartitionedMatrices(blocks_of(muon_groups), stage.masters, world=world, rank=rank, group=group,
+        PartitionedMatrices(blocks_of(muon_groups),
+                            stage.masters,
+                            world=world,
+                            rank=rank,
+                            group=group,
                             device=stage.device))
     if stage.config.offload_optimizer and stage.config.muon_momentum_on_device:
         optimizer.momentum_device = stage.device

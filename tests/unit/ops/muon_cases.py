@@ -18,8 +18,9 @@ A, B, C = 3.4445, -4.7750, 2.0315
 
 def widths(seed):
     gen = torch.Generator().manual_seed(seed)
-    dims = [int(torch.randint(1, 9, (1, ), generator=gen)) for _ in range(3)]
-    return [int(torch.randint(2, 7, (1, ), generator=gen))] + dims + [1]
+    dims = [int(torch.randint(1, 9, (1, ), generator=gen)) for _ in range(2)]
+    # a 1-wide hidden layer: a (1 x n) and an (n x 1) matrix, both smaller than some worlds
+    return [int(torch.randint(2, 7, (1, ), generator=gen)), dims[0], 1, dims[1], 1]
 
 
 class Net(torch.nn.Module):
@@ -34,7 +35,8 @@ class Net(torch.nn.Module):
         self.lm_head = torch.nn.Linear(w[-2], w[-1], bias=False)
 
     def forward(self, ids, y):
-        x = self.embed(ids) if self.embed is not None else torch.nn.functional.one_hot(ids % self.width, self.width).float()
+        x = self.embed(ids) if self.embed is not None else torch.nn.functional.one_hot(ids %
+                                                                                       self.width, self.width).float()
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return ((self.lm_head(x).squeeze(-1) - y)**2).mean()
@@ -63,9 +65,16 @@ def is_muon(name, p):
 class Reference:
     """Muon + AdamW (upstream's config defaults unless given) on a copy of ``model``."""
 
-    def __init__(self, model, lr=0.02, adam_lr=3e-4, momentum=0.95, weight_decay=0.0, clip=0.0):
+    def __init__(self, model, lr=0.02, adam_lr=3e-4, momentum=0.95, weight_decay=0.0, clip=0.0, low=None, scale=1.0):
         import copy
-        self.model = copy.deepcopy(model).float()
+        self.model = copy.deepcopy(model).float()  # the float32 masters
+        # ``low``: a 16-bit model computes forward and backward (of the loss times ``scale``: fp16 loss scaling);
+        # the masters start from its rounded values and it gets theirs, rounded, after each step
+        self.low, self.scale = (copy.deepcopy(model).to(low) if low is not None else None), scale
+        if self.low is not None:
+            with torch.no_grad():
+                for p, q in zip(self.model.parameters(), self.low.parameters()):
+                    p.copy_(q.float())
         self.lr, self.momentum, self.wd, self.clip = lr, momentum, weight_decay, clip
         named = list(self.model.named_parameters())
         self.muon = [p for n, p in named if is_muon(n, p)]
@@ -75,10 +84,17 @@ class Reference:
 
     def step(self, step, world, gas):
         self.model.zero_grad()
+        params = list(self.model.parameters())
         for rank in range(world):
             for micro in range(gas):
-                (self.model(*batch(step, micro, rank)) / (world * gas)).backward()
-        params = list(self.model.parameters())
+                if self.low is None:
+                    (self.model(*batch(step, micro, rank)) / (world * gas)).backward()
+                    continue
+                self.low.zero_grad()
+                (self.low(*batch(step, micro, rank)) * self.scale).backward()
+                for p, q in zip(params, self.low.parameters()):
+                    g = q.grad.float() / self.scale / (world * gas)
+                    p.grad = g if p.grad is None else p.grad + g
         if self.clip:
             norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
             coef = min(1.0, self.clip / (float(norm) + 1e-6))
@@ -94,6 +110,10 @@ class Reference:
                 p.mul_(1 - self.lr * self.wd)
                 p.add_(o, alpha=-self.lr)
         self.adam.step()
+        if self.low is not None:
+            with torch.no_grad():
+                for q, p in zip(self.low.parameters(), self.model.parameters()):
+                    q.copy_(p.to(q.dtype))
 
     def params(self):
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
