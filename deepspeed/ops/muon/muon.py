@@ -85,6 +85,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             buf = self._momentum(p)
             grad = p.grad.to(device=buf.device, dtype=buf.dtype)
             buf.lerp_(grad, 1 - beta)
+            # in place, as upstream: the window gradient is discarded after the step (and a partitioned matrix step
+            # writes the direction over the update), so the step allocates nothing partition-sized
             update = grad.lerp_(buf, beta) if group.get("nesterov", True) else buf.clone()
             direction = matrix_step.directions(self, group, p, update)
             p.mul_(1 - group["lr"] * group["weight_decay"])

@@ -12,15 +12,16 @@ of the stage:
   of the gathered block per matrix at stages 1-2, ``W`` strided ranges (one shard per rank) at stage 3;
 * every matrix has one *owner* rank, chosen once so that the Newton-Schulz work (``rows * cols * min(rows, cols)``)
   is balanced (largest first, to the least loaded rank; the same answer on every rank);
-* per block: all-gather the update (the Nesterov momentum), each owner writes the direction of its matrices into a
-  zero block, and a reduce-scatter (sum: one nonzero term per element, so exact) returns each rank its chunk.
+* per block: all-gather the update (the Nesterov momentum), each owner overwrites its matrices with their directions
+  and zeroes the others, and a reduce-scatter (sum: one nonzero term per element, so exact) returns each rank its
+  chunk, written over the update.
 
 Each matrix's direction is computed once, on one rank, from the whole matrix, wherever the partition boundaries
 fall; every rank receives the same bits for the elements it holds. Why all-gather + reduce-scatter rather than
 sending each matrix's pieces to its owner and back: per element both move ``(W - 1) / W`` of the block over the wire
 each way, but a block needs two equal-chunk collectives (the ones the gradient pipeline already runs, efficient on
-NCCL) instead of ``2 W`` point-to-point messages per matrix; and the transient memory is two gathered blocks
-(about one bucket each), not a matrix per rank in flight. Upstream's ZeRO 1-2 gathers too, but then
+NCCL) instead of ``2 W`` point-to-point messages per matrix; and the transient memory is one gathered block (about
+one bucket; none on one rank), not a matrix per rank in flight. Upstream's ZeRO 1-2 gathers too, but then
 orthogonalizes every matrix on every rank (``W`` times the Newton-Schulz work); here each runs once.
 """
 
@@ -88,36 +89,41 @@ class PartitionedMatrices:
 
     @torch.no_grad()
     def directions(self, optimizer, group, param, update):
-        """``O`` for the flat partition ``param`` (its update ``update``): a collective over the stage's group."""
+        """``O`` for the flat partition ``param``, written over its update ``update`` (returned): a collective over
+        the stage's group. In place: per block, the gathered update becomes the gathered directions (each owner
+        overwrites its matrices, the other ranges are zeroed), so the step needs one gathered block, and nothing
+        at all on one rank."""
         g = self.group_of.get(id(param))
         if g is None:
             raise RuntimeError("the matrix step was given a tensor that is not one of the stage's master partitions")
-        out = torch.zeros_like(update)
         with ds_range("DS::matrix_step"):
             for block in self.blocks[g]:
-                send = update.narrow(0, block.part_offset, block.chunk).to(self.device, torch.float32)
+                view = update.narrow(0, block.part_offset, block.chunk)
+                send = view.to(self.device, torch.float32)
                 if self.world == 1:
                     full = send
                 else:
                     full = torch.empty(self.world * block.chunk, dtype=torch.float32, device=self.device)
                     dist.all_gather_into_tensor(full, send.contiguous(), group=self.group)
-                result = torch.zeros_like(full)
                 for matrix in block.matrices:
                     if self.owner[matrix.index] != self.rank:
+                        for s, n in matrix.ranges:
+                            full.narrow(0, s, n).zero_()
                         continue
                     whole = torch.cat([full.narrow(0, s, n) for s, n in matrix.ranges]).view(matrix.shape)
-                    flat = optimizer.direction(group, whole).reshape(-1).float()
+                    flat = optimizer.direction(group, whole).reshape(-1)
                     done = 0
                     for s, n in matrix.ranges:
-                        result.narrow(0, s, n).copy_(flat.narrow(0, done, n))
+                        full.narrow(0, s, n).copy_(flat.narrow(0, done, n))
                         done += n
                 if self.world == 1:
-                    mine = result
-                else:
+                    mine = full
+                else:  # one nonzero term per element (its owner's): the sum is exact
                     mine = torch.empty(block.chunk, dtype=torch.float32, device=self.device)
-                    dist.reduce_scatter_tensor(mine, result, group=self.group)
-                out.narrow(0, block.part_offset, block.chunk).copy_(mine)
-        return out
+                    dist.reduce_scatter_tensor(mine, full, group=self.group)
+                if mine is not view:
+                    view.copy_(mine)
+        return update
 
 
 def _check_matrix(param, shape):
