@@ -80,6 +80,12 @@ def run(system, size, steps, warmup, clip=1.0):
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     torch.manual_seed(0)
     model = MuonGPT(cfg)
+    upstream_side = system.startswith("upstream")
+    if upstream_side != (deepspeed.__version__ == "0.19.8"):  # PYTHONPATH picked the wrong package
+        return dict(system=system,
+                    status="wrong deepspeed",
+                    deepspeed=deepspeed.__file__,
+                    version=deepspeed.__version__)
     result = dict(system=system,
                   deepspeed=deepspeed.__file__,
                   version=deepspeed.__version__,
