@@ -273,3 +273,23 @@ def test_newton_schulz_variants_match_reference(shape):
     expected = cases.newton_schulz(G)
     for method in ("gram", "standard"):
         torch.testing.assert_close(orthogonalize(G, 5, method), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_upstream_original_muon_names():
+    """``deepspeed.runtime.zero.muon.original_muon``: ``SingleDeviceMuon`` steps as the reference's Muon half, and
+    ``muon_update`` keeps the momentum out of an overflowed step."""
+    from deepspeed.runtime.zero.muon.original_muon import SingleDeviceMuon, muon_update
+    gen = torch.Generator().manual_seed(5)
+    ours = torch.nn.Parameter(torch.randn(5, 3, generator=gen))
+    value, buf = ours.detach().clone(), torch.zeros(5, 3)
+    opt = SingleDeviceMuon([ours], lr=0.02, weight_decay=0.1)
+    for _ in range(3):
+        grad = torch.randn(5, 3, generator=gen)
+        ours.grad = grad.clone()
+        opt.step()
+        buf.lerp_(grad, 1 - 0.95)
+        value = value * (1 - 0.02 * 0.1) - 0.02 * cases.newton_schulz(grad.lerp(buf, 0.95)) * (5 / 3)**0.5
+    torch.testing.assert_close(ours.detach(), value, rtol=1e-5, atol=1e-6)
+    momentum = torch.ones(4, 4)
+    bad = torch.full((4, 4), float("inf"))
+    assert not torch.isfinite(muon_update(bad, momentum)).all() and torch.equal(momentum, torch.ones(4, 4))
