@@ -218,6 +218,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                 return None
             if self.mesh.description.expert_parallel_sizes:  # experts in param groups of their own, as upstream
                 params = configure_moe_param_groups(list(params))
+            if str(cfg.optimizer_name).lower() == "muon":  # which parameters are Muon's: upstream's rule, by name
+                from deepspeed.ops.muon import tag_muon_params
+                tag_muon_params(self.module)
             return build_optimizer(cfg.optimizer_name,
                                    params,
                                    dict(cfg.optimizer_params or {}),
@@ -233,6 +236,11 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable(params), not "
                             f"{type(client_optimizer).__name__}")
         check_client_offload_optimizer(built, self._offload_optimizer_device(), cfg.zero_force_ds_cpu_optimizer)
+        torch_muon = getattr(torch.optim, "Muon", None)
+        if cfg.zero_optimization_stage > 0 and torch_muon is not None and isinstance(built, torch_muon):
+            # ZeRO 1-3 step flat partitions: torch's Muon maths, run on whole matrices by the stage's matrix step
+            from deepspeed.ops.muon import PartitionedTorchMuon
+            built = PartitionedTorchMuon(built)
         return built
 
     def _offload_optimizer_device(self):

@@ -13,6 +13,9 @@ Names follow upstream (case-insensitive):
                 ``cpu_optimizer=True``
 ``lion``        :class:`~deepspeed.ops.lion.FusedLion`; :class:`~deepspeed.ops.lion.DeepSpeedCPULion`
                 with ``cpu_optimizer=True``
+``muon``        :class:`~deepspeed.ops.muon.MuonWithAuxAdam` over the parameters' ``use_muon``
+                split (:mod:`deepspeed.ops.muon.param_split`); its Adam half is FusedAdam,
+                DeepSpeedCPUAdam with ``cpu_optimizer=True``, torch's with ``torch_adam``
 ==============  ============================================================================
 
 For ``adam``/``adamw``, ``torch_adam: true`` selects ``torch.optim.Adam`` / ``torch.optim.AdamW``
@@ -21,7 +24,7 @@ instead, and ``cpu_optimizer=True`` (optimizer offload) selects
 ``adam_w_mode`` are removed before the params reach a constructor. Any other name that is a
 ``torch.optim`` optimizer class (``"RMSprop"``, ``"NAdam"``...) builds that class, as upstream
 does. DeepSpeed's own optimizers that are not implemented here (``lamb``, the 1-bit and 0/1
-optimizers, ``muon``, the ``mu*`` family) raise NotImplementedError.
+optimizers, the ``mu*`` family) raise NotImplementedError.
 """
 
 import inspect
@@ -47,7 +50,7 @@ LION_OPTIMIZER = 'lion'
 MUON_OPTIMIZER = 'muon'
 
 UNSUPPORTED_OPTIMIZERS = (LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER,
-                          MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, MUON_OPTIMIZER)
+                          MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER)
 
 # Config-only keys of the adam/adamw params.
 TORCH_ADAM_PARAM = 'torch_adam'
@@ -91,6 +94,8 @@ def build_optimizer(name, params, optimizer_params=None, device_type=None, cpu_o
         return _build_adam(key, params, kwargs, cpu_optimizer)
     if key == LION_OPTIMIZER:
         return (DeepSpeedCPULion if cpu_optimizer else FusedLion)(params, **kwargs)
+    if key == MUON_OPTIMIZER:
+        return _build_muon(params, kwargs, cpu_optimizer)
     if key == ADAGRAD_OPTIMIZER:
         # Upstream also accepts the adam-only keys here; they do not apply to Adagrad.
         kwargs.pop(TORCH_ADAM_PARAM, None)
@@ -128,6 +133,24 @@ def _build_adam(key, params, kwargs, cpu_optimizer):
     if cpu_optimizer:
         return DeepSpeedCPUAdam(params, **kwargs, adamw_mode=decoupled)
     return FusedAdam(params, **kwargs, adam_w_mode=decoupled)
+
+
+def _build_muon(params, kwargs, cpu_optimizer):
+    """Muon on the parameters marked ``use_muon``, an Adam on the others (upstream's defaults and keys)."""
+    from deepspeed.ops.muon import MuonWithAuxAdam
+    from deepspeed.ops.muon.param_split import check_muon_config, muon_param_groups
+    check_muon_config(kwargs)
+    adam_w_mode = bool(kwargs.get(ADAM_W_MODE, ADAM_W_MODE_DEFAULT))
+    if kwargs.get(TORCH_ADAM_PARAM, False):
+        adam, adam_kwargs = (torch.optim.AdamW if adam_w_mode else torch.optim.Adam), {}
+    elif cpu_optimizer:
+        adam, adam_kwargs = DeepSpeedCPUAdam, dict(adamw_mode=adam_w_mode)
+    else:
+        adam, adam_kwargs = FusedAdam, dict(adam_w_mode=adam_w_mode)
+    return MuonWithAuxAdam(muon_param_groups(list(params), kwargs),
+                           adam_optimizer=adam,
+                           adam_optimizer_kwargs=adam_kwargs,
+                           adam_w_mode=adam_w_mode)
 
 
 def _torch_optimizer_class(name):

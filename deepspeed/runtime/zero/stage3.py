@@ -37,6 +37,7 @@ from deepspeed.utils.logging import logger
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.checkpoint_stage3 import Stage3Checkpoint
 from deepspeed.runtime.zero.device_share import device_ranges
+from deepspeed.runtime.zero.matrix_step import install_matrix_step, stage3_blocks
 from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.param_fetch import ShardFetch
 from deepspeed.runtime.zero.parameter_units import UnitCoordinator, build_units
@@ -119,6 +120,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             values = self.shards[g].to(self.part_device, torch.float32, copy=True)
             self.masters.append(master_partition(values, geometry.grad_parts[g], config.pin_memory))
         point_optimizer_at(optimizer, self.masters, layout.group_part_numel)
+        install_matrix_step(self, lambda muon_groups: stage3_blocks(layout, muon_groups))
         # Where masters live beside the parameters' device, gathers read the fp32 masters and
         # cast while copying in (as FSDP2 does): no 16-bit copy of the shards is kept.
         self.sources = list(self.shards)

@@ -30,6 +30,7 @@ from deepspeed.runtime.zenflow.stage_io import PartitionedIO
 from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.checkpoint_partitioned import PartitionedCheckpoint
+from deepspeed.runtime.zero.matrix_step import install_matrix_step, stage12_blocks
 from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.piece_waits import PieceWaits
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
@@ -91,6 +92,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                     layout.bucket_part(master, bucket).copy_(layout.bucket_own_chunk_full(self.flat_params, bucket))
             self.masters.append(master_partition(master, geometry.grad_parts[g], config.pin_memory))
         point_optimizer_at(optimizer, self.masters, [bool(g) for g in groups])
+        install_matrix_step(self, lambda muon_groups: stage12_blocks(layout, muon_groups), self.reduction.dense)
         self.host_step = None
         if config.offload_optimizer:
             self.host_step = HostStep(optimizer,

@@ -42,6 +42,7 @@ class StageConfig:
     super_offload: bool = False  # offload_optimizer.super_offload: speculative steps (stages 1-3)
     unit_numel: int = int(5e7)  # stage 3: stage3_prefetch_bucket_size
     persistence_threshold: int = int(1e5)  # stage 3: stage3_param_persistence_threshold
+    muon_momentum_on_device: bool = False  # save_muon_momentum_buffer_in_memory: Muon momentum beside the model
 
     @classmethod
     def from_ds_config(cls, cfg, model_dtype):
@@ -87,7 +88,8 @@ class StageConfig:
                    optimizer_swap=optimizer_swap,
                    param_swap=param_swap,
                    unit_numel=max(1, int(zero.stage3_prefetch_bucket_size)),
-                   persistence_threshold=int(zero.stage3_param_persistence_threshold))
+                   persistence_threshold=int(zero.stage3_param_persistence_threshold),
+                   muon_momentum_on_device=bool(zero.save_muon_momentum_buffer_in_memory))
 
 
 def _device_name(device):
