@@ -210,6 +210,9 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         """ZeRO++ (``zeropp.py``): ``(node axis, gradient transport, unit fetch plan)``; the node axis (a mesh axis,
         built by ``deepspeed.utils.node_axis``) serves hpZ's secondary shards and qgZ's two hops."""
         nodes = zeropp.hpz_partition_size
+        if zeropp.quantized_weights or zeropp.quantized_gradients:
+            from deepspeed.ops import block_quant_native
+            block_quant_native.register()  # the host op, where DS_NATIVE_BLOCK_QUANT=1 (opt-in)
         if zeropp.quantized_gradients and nodes == 1 and group is None:
             nodes = qgz_node_size(world)  # hpZ off: qgZ's first hop stays inside a host
         node_axis = build_node_axis(nodes) if nodes > 1 and world > 1 else None

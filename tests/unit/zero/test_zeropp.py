@@ -293,3 +293,32 @@ def test_refusals(zero, stage, words):
                                args=(zero, stage))
     for message in messages:  # every rank, the same refusal
         assert message is not None and all(w in message for w in words), message
+
+
+def test_block_quant_native_matches_torch():
+    """The host op (csrc/quantization/block_quant.cpp) packs and unpacks the torch reference's bits; registered only
+    with DS_NATIVE_BLOCK_QUANT=1."""
+    from deepspeed.ops import block_quant_native as native
+    from deepspeed.ops.op_builder import builder as builder_module
+    from deepspeed.runtime.zero import block_quant as bq
+    if builder_module.cxx_compiler() is None:  # then the op cannot load and the reference stays
+        assert native.load() is None and not native.register({"DS_NATIVE_BLOCK_QUANT": "1"})
+        return
+    assert native.load() is not None
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for bits in (4, 8):
+            for rows, numel, block in [(1, 1, 2), (3, 7, 4), (2, 4097, 4096), (4, 1000, 512), (2, 5, 512)]:
+                x = (torch.randn(rows, numel, generator=gen) * 10).to(dtype)
+                x[0, 0] = 0.0
+                packed = bq.torch_quantize_rows(x, bits, block)
+                assert torch.equal(native.quantize_rows(x, bits, block), packed), (dtype, bits, rows, numel)
+                ref, got = torch.empty_like(x), torch.empty_like(x)
+                bq.torch_dequantize_rows(packed, numel, bits, block, ref)
+                assert torch.equal(native.dequantize_rows(packed, numel, bits, block, got), ref)
+    try:
+        assert not native.register({}) and bq.implementation("quantize_rows") is bq.torch_quantize_rows
+        assert native.register({"DS_NATIVE_BLOCK_QUANT": "1"})
+        assert bq.implementation("quantize_rows") is native.quantize_rows
+    finally:
+        bq.reset()
