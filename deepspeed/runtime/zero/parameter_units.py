@@ -518,7 +518,7 @@ class UnitCoordinator:
         if 0 <= nxt < len(self._trace):
             candidate = self._trace[nxt]
             if candidate.state is UnitState.SHARDED and not candidate.persistent:
-                self._launch_gather(candidate, backward=not forward)
+                self._launch_gather(candidate, not forward)
         if self._read_ahead is not None:
             ahead = [
                 self._trace[i] for i in range(nxt + direction, nxt + direction * (1 + READ_AHEAD_UNITS), direction)
