@@ -134,8 +134,11 @@ def _worker(rank, args, port, queue):
         if args.native and name in ("qwz", "qgz", "zeropp"):
             results[name + "+native"] = _run_setting(args, name, zero, device, native=True)
     if rank == 0:
-        queue.put({"deepspeed": deepspeed.__file__, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-                   "results": results})
+        queue.put({
+            "deepspeed": deepspeed.__file__,
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "results": results
+        })
 
 
 def main():
