@@ -72,9 +72,18 @@ class NodeAxis:
 _AXIS: Optional[NodeAxis] = None
 
 
-def build_node_axis(h):
+def _group(table):
+    """This rank's group of ``table`` (a collective), or None for groups of one rank (never communicated over)."""
+    from deepspeed.utils import groups
+    if len(table[0]) == 1 or not dist.is_initialized():
+        return None
+    return groups.group_of_ranks(table)
+
+
+def build_node_axis(h, cross=False):
     """Create (once per mesh and size) and return this rank's :class:`NodeAxis` for node size ``h`` (capped at the
-    ZeRO group's size; ValueError if it does not divide it). A collective: every rank calls it with the same ``h``."""
+    ZeRO group's size; ValueError if it does not divide it). ``cross``: the cross-node groups too (qgZ's second
+    hop; hpZ alone needs only the node groups). A collective: every rank calls it with the same arguments."""
     global _AXIS
     from deepspeed.utils import groups
     mesh = groups.current_mesh()
@@ -82,24 +91,25 @@ def build_node_axis(h):
     zero_world = len(zero_table[0])
     size = check_node_size(h, zero_world)
     rank = mesh.rank
-    if _AXIS is not None and _AXIS.size == size and rank in _AXIS.node_ranks and getattr(_AXIS, "_mesh", None) is mesh:
-        return _AXIS
-    node, cross = node_tables(zero_table, size)
-    node_ranks = next(r for r in node if rank in r)
-    cross_ranks = next(r for r in cross if rank in r)
-    initialized = dist.is_initialized()
-    node_group = groups.group_of_ranks(node) if initialized else None
-    cross_group = groups.group_of_ranks(cross) if initialized else None
-    axis = NodeAxis(size=size,
-                    nodes=zero_world // size,
-                    node_rank=node_ranks.index(rank),
-                    cross_rank=cross_ranks.index(rank),
-                    node_ranks=node_ranks,
-                    cross_ranks=cross_ranks,
-                    node_group=node_group if len(node_ranks) > 1 else None,
-                    cross_group=cross_group if len(cross_ranks) > 1 else None)
-    axis._mesh = mesh
-    _AXIS = axis
+    node, cross_table = node_tables(zero_table, size)
+    axis = _AXIS
+    if axis is None or axis.size != size or getattr(axis, "_mesh", None) is not mesh:
+        node_ranks = next(r for r in node if rank in r)
+        cross_ranks = next(r for r in cross_table if rank in r)
+        axis = NodeAxis(size=size,
+                        nodes=zero_world // size,
+                        node_rank=node_ranks.index(rank),
+                        cross_rank=cross_ranks.index(rank),
+                        node_ranks=node_ranks,
+                        cross_ranks=cross_ranks,
+                        node_group=_group(node),
+                        cross_group=None)
+        axis._mesh = mesh
+        axis._has_cross = False
+        _AXIS = axis
+    if cross and not axis._has_cross:
+        axis.cross_group = _group(cross_table)
+        axis._has_cross = True
     return axis
 
 

@@ -215,7 +215,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             block_quant_native.register()  # the host op, where DS_NATIVE_BLOCK_QUANT=1 (opt-in)
         if zeropp.quantized_gradients and nodes == 1 and group is None:
             nodes = qgz_node_size(world)  # hpZ off: qgZ's first hop stays inside a host
-        node_axis = build_node_axis(nodes) if nodes > 1 and world > 1 else None
+        node_axis = build_node_axis(nodes, cross=zeropp.quantized_gradients) if nodes > 1 and world > 1 else None
         grad_transport = QuantizedReduceScatter(world, node_axis) if zeropp.quantized_gradients else None
         fetch = UnitFetchPlan(group,
                               world,

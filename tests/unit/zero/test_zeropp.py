@@ -10,9 +10,12 @@
   checks each one's ranks) and recorded by the comms logger under their own name with 1/N of the
   bytes of each rank's primary row; world 2 with nodes of 2 (the node group is the world) and ``h = 1``
   (off: no node gather at all);
-* qwZ and qgZ at world 4 (qgZ's two hops over nodes of 2) and world 2 (one hop): the bytes of every
-  all-gather / reduce-scatter as the wire format says (counted by the comms logger), and the loss of
-  50 steps within 2% of the exact run's (5% at the last step) on a small regression model;
+* qgZ's reduce-scatter alone at world 4, one hop and two (nodes of 2): every element within the sum of
+  the half-steps of the blocks it went through, against the exact sum;
+* qwZ and qgZ at world 4 (qgZ's two hops over nodes of 2, with hpZ) and world 2 (one hop): the bytes of
+  every all-gather / reduce-scatter as the wire format says (counted by the comms logger), and the mean loss
+  of 50 steps (25 at world 2) within 2% of the exact run's, the last within 5% of the first loss plus 5% of
+  the exact last, on a small regression model;
 * configurations that cannot be honoured raise at ``initialize`` naming the keys.
 """
 
@@ -37,7 +40,7 @@ def test_block_quant_round_trip(bits):
     from deepspeed.runtime.zero import block_quant as bq
     gen = torch.Generator().manual_seed(7 + bits)
     shapes = [(1, 1, 2), (1, 1, 512), (3, 7, 4), (2, 4097, 4096), (1, 513, 512)]
-    for _ in range(6):
+    for _ in range(4):
         shapes.append((int(torch.randint(1, 5, (), generator=gen)), int(torch.randint(1, 3000, (), generator=gen)),
                        int(2 * torch.randint(1, 300, (), generator=gen))))
     for rows, numel, block in shapes:
@@ -59,6 +62,47 @@ def test_block_quant_round_trip(bits):
     back = bq.dequantize_rows(bq.quantize_rows(x, bits, 256), 1000, bits, 256, torch.empty_like(x))
     bound = _block_bound(x, bits, 256) + x.float().abs() * 2**-8 + _block_bound(x, bits, 256) * 2**-7
     assert bool(((back.float() - x.float()).abs() <= bound).all())
+
+
+def _qgz_case(h, numel):
+    """QuantizedReduceScatter against the exact sum: every element within its bound (module docstring)."""
+    from deepspeed.runtime.zero import block_quant as bq
+    from deepspeed.runtime.zero.quantized_reduce import QuantizedReduceScatter
+    from deepspeed.utils.node_axis import build_node_axis
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    inputs = [
+        torch.randn(world, numel, generator=torch.Generator().manual_seed(50 + r)) * (1 + r) for r in range(world)
+    ]
+    axis = build_node_axis(h, cross=True) if 1 < h < world else None
+    out = torch.empty(numel)
+    assert QuantizedReduceScatter(world, axis).reduce_scatter(out, inputs[rank].reshape(-1), None) is None
+    exact = sum(x[rank] for x in inputs)
+
+    def half_step(rows):  # per element: half a 4-bit step of its block, rows (k, numel)
+        return _block_bound(rows, 4, bq.GRAD_BLOCK)
+
+    if axis is None:
+        bound = sum(half_step(x[rank:rank + 1])[0] for x in inputs)
+    else:
+        nodes = world // h
+        bound = torch.zeros(numel)
+        for n in range(nodes):
+            members = range(n * h, (n + 1) * h)
+            partial = sum(inputs[s][rank] for s in members)
+            first = sum(half_step(inputs[s][rank:rank + 1])[0] for s in members)
+            # the second hop quantizes the dequantized partial sum: its block maximum is at most the exact one
+            # plus the first hop's error
+            top = _block_bound((partial.abs() + first).view(1, -1), 4, bq.GRAD_BLOCK)[0]
+            bound += first + top
+    err = (out - exact).abs()
+    assert bool((err <= bound * (1 + 1e-5) + 1e-6).all()), float((err - bound).max())
+    return float(err.max()), float(exact.abs().max())
+
+
+@pytest.mark.parametrize("h", [1, 2])
+def test_qgz_reduce_scatter_bounded(h):
+    errors = run_distributed(_qgz_case, world_size=4, args=(h, 1100))
+    assert all(0 < err < 0.2 * top for err, top in errors), errors  # quantized, and close
 
 
 def test_node_tables():
@@ -121,7 +165,7 @@ def _records():
     return {name: {size: rec[0] for size, rec in sizes.items()} for name, sizes in comms_logger.comms_dict.items()}
 
 
-def _train(steps, zero, record_groups=False):
+def _train(steps, zero, record_groups=False, grads=True):
     """Train ``steps`` steps; returns (losses, [per step: full grads], final full params, comms records, groups)."""
     import deepspeed
     from deepspeed.comm.timed import comms_logger
@@ -142,15 +186,16 @@ def _train(steps, zero, record_groups=False):
             return inner(output, input, group)
 
         fetch.node_transport.all_gather = recording
-    losses, grads = [], []
+    losses, full_grads = [], []
     rank = torch.distributed.get_rank()
     for step in range(steps):
         x, y = _batch(step, rank)
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
-        comms_logger.enabled = False  # the accessors' gathers are not the training's
-        grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
-        comms_logger.enabled = True
+        if grads:
+            comms_logger.enabled = False  # the accessors' gathers are not the training's
+            full_grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
+            comms_logger.enabled = True
         engine.step()
         losses.append(loss.item())
     records = _records()
@@ -158,7 +203,7 @@ def _train(steps, zero, record_groups=False):
     params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
     comms_logger.comms_dict.clear()
     engine.destroy() if hasattr(engine, "destroy") else None
-    return losses, grads, params, records, groups_seen
+    return losses, full_grads, params, records, groups_seen
 
 
 def _hpz_case(h):
@@ -193,8 +238,8 @@ def test_hpz_bitwise_and_node_gathers(world, h):
 
 
 def _quant_case(zero, steps):
-    exact = _train(steps, {})
-    quant = _train(steps, zero)
+    exact = _train(steps, {}, grads=False)
+    quant = _train(steps, zero, grads=False)
     return exact[0], quant[0], exact[3], quant[3]
 
 
@@ -216,7 +261,7 @@ def _unit_rows(world):
 })])
 def test_qwz_qgz_bytes_and_loss(world, zero):
     from deepspeed.runtime.zero import block_quant as bq
-    steps = 50
+    steps = 50 if world == 4 else 25  # world 4 runs both of qgZ's hops and hpZ too
     results = run_distributed(_quant_case, world_size=world, args=(zero, steps), timeout=300)
     exact_losses, quant_losses, exact_rec, quant_rec = results[0]
     rows = _unit_rows(world)
