@@ -14,8 +14,9 @@ For each it reports, per comms-logger record (``all_gather_into_tensor``, ``...:
 steps) and the median step time, and checks that ``hpz`` trained bitwise like ``zero3`` (same losses).
 
 On a machine with ``--world`` GPUs it runs NCCL; otherwise (or with ``--cpu``) gloo on CPU processes, where
-the byte counts are the same and the times are CPU times. ``--native`` adds the qwZ/qgZ runs with the host
-block-quantization op (``DS_NATIVE_BLOCK_QUANT=1``; CPU tensors only).
+the byte counts are the same and the times are CPU times. The qwZ/qgZ runs use the torch reference of the block
+quantization (``DS_NATIVE_BLOCK_QUANT=0``); ``--native`` adds them with the host op (what a CPU engine uses by
+default; CPU tensors only).
 
 Command (repository root; about 1 minute on 4 CPU cores at the defaults)::
 

@@ -14,9 +14,10 @@ bits; two per byte for 4 bits, the even element in the low nibble), then the blo
 bytes: :func:`row_bytes` of them. Rows are packed independently, so the rows of a rank-major unit buffer
 (one per destination rank) can be sent to different ranks.
 
-The torch functions below are the reference and always present. ``csrc/quantization/block_quant.cpp``
-(``deepspeed.ops.op_builder.BlockQuantBuilder``) computes the same bits on the host in one threaded pass;
-:func:`use_native` decides when it replaces them (``deepspeed.ops.block_quant_native``).
+The torch functions below are the reference and always present (and what runs on the GPU).
+``csrc/quantization/block_quant.cpp`` (``deepspeed.ops.op_builder.BlockQuantBuilder``) computes the same bits on
+the host in one threaded pass; ``deepspeed.ops.block_quant_native.register`` installs it through
+:func:`use_native` for CPU engines, where it made the step faster.
 """
 
 import os

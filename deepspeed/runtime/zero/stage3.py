@@ -205,14 +205,13 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                     self.host_step.shard_tier = self.param_tier
                 self.param_tier.swap_out()
 
-    @staticmethod
-    def _zeropp(zeropp, group, world):
+    def _zeropp(self, zeropp, group, world):
         """ZeRO++ (``zeropp.py``): ``(node axis, gradient transport, unit fetch plan)``; the node axis (a mesh axis,
         built by ``deepspeed.utils.node_axis``) serves hpZ's secondary shards and qgZ's two hops."""
         nodes = zeropp.hpz_partition_size
         if zeropp.quantized_weights or zeropp.quantized_gradients:
             from deepspeed.ops import block_quant_native
-            block_quant_native.register()  # the host op, where DS_NATIVE_BLOCK_QUANT=1 (opt-in)
+            block_quant_native.register(self.device)  # the host op for a CPU engine (measured faster there)
         if zeropp.quantized_gradients and nodes == 1 and group is None:
             nodes = qgz_node_size(world)  # hpZ off: qgZ's first hop stays inside a host
         node_axis = build_node_axis(nodes, cross=zeropp.quantized_gradients) if nodes > 1 and world > 1 else None

@@ -341,13 +341,13 @@ def test_refusals(zero, stage, words):
 
 
 def test_block_quant_native_matches_torch():
-    """The host op (csrc/quantization/block_quant.cpp) packs and unpacks the torch reference's bits; registered only
-    with DS_NATIVE_BLOCK_QUANT=1."""
+    """The host op (csrc/quantization/block_quant.cpp) packs and unpacks the torch reference's bits; registered for a
+    CPU engine unless DS_NATIVE_BLOCK_QUANT=0, for a GPU engine only with DS_NATIVE_BLOCK_QUANT=1."""
     from deepspeed.ops import block_quant_native as native
     from deepspeed.ops.op_builder import builder as builder_module
     from deepspeed.runtime.zero import block_quant as bq
     if builder_module.cxx_compiler() is None:  # then the op cannot load and the reference stays
-        assert native.load() is None and not native.register({"DS_NATIVE_BLOCK_QUANT": "1"})
+        assert native.load() is None and not native.register("cpu", {})
         return
     assert native.load() is not None
     gen = torch.Generator().manual_seed(3)
@@ -362,8 +362,11 @@ def test_block_quant_native_matches_torch():
                 bq.torch_dequantize_rows(packed, numel, bits, block, ref)
                 assert torch.equal(native.dequantize_rows(packed, numel, bits, block, got), ref)
     try:
-        assert not native.register({}) and bq.implementation("quantize_rows") is bq.torch_quantize_rows
-        assert native.register({"DS_NATIVE_BLOCK_QUANT": "1"})
+        bq.reset()
+        assert not native.register("cpu", {"DS_NATIVE_BLOCK_QUANT": "0"})
+        assert not native.register("cuda", {}) and not native.register("cpu", {"DS_BLOCK_QUANT": "torch"})
+        assert bq.implementation("quantize_rows") is bq.torch_quantize_rows
+        assert native.register("cpu", {}) and native.register("cuda", {"DS_NATIVE_BLOCK_QUANT": "1"})
         assert bq.implementation("quantize_rows") is native.quantize_rows
     finally:
         bq.reset()
