@@ -6,10 +6,11 @@
   multiple of the block), 4 and 8 bits; all-zero blocks come back exactly;
 * the node axis's rank tables (pure);
 * hpZ at world 4 with nodes of 2 ranks: losses, full gradients and parameters over 3 steps bitwise those
-  of plain ZeRO-3 on the same model, the backward all-gathers on the node group (a recording wrapper
-  checks each one's ranks) and recorded by the comms logger under their own name with 1/N of the
-  bytes of each rank's primary row; world 2 with nodes of 2 (the node group is the world) and ``h = 1``
-  (off: no node gather at all);
+  of plain ZeRO-3 on the same model (also with parameter and optimizer offload and 2 micro-steps a
+  step); the backward all-gathers run on the node group (a recording wrapper checks each one's ranks)
+  and the comms logger records them under their own name, each sending the rank's N = W / h rows; as
+  many gathers in all as plain ZeRO-3's; world 2 with nodes of 2 (the node group is the world) and
+  ``h = 1`` (off: no node gather at all);
 * qgZ's reduce-scatter alone at world 4, one hop and two (nodes of 2): every element within the sum of
   the half-steps of the blocks it went through, against the exact sum;
 * qwZ and qgZ at world 4 (qgZ's two hops over nodes of 2, with hpZ) and world 2 (one hop): the bytes of
@@ -129,12 +130,12 @@ class Net(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def _config(**zero):
+def _config(gas=1, **zero):
     return {
         "train_micro_batch_size_per_gpu":
         4,
         "gradient_accumulation_steps":
-        1,
+        gas,
         "optimizer": {
             "type": "Adam",
             "params": {
@@ -165,14 +166,14 @@ def _records():
     return {name: {size: rec[0] for size, rec in sizes.items()} for name, sizes in comms_logger.comms_dict.items()}
 
 
-def _train(steps, zero, record_groups=False, grads=True):
+def _train(steps, zero, record_groups=False, grads=True, gas=1):
     """Train ``steps`` steps; returns (losses, [per step: full grads], final full params, comms records, groups)."""
     import deepspeed
     from deepspeed.comm.timed import comms_logger
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
     torch.manual_seed(0)
     model = Net()
-    engine, *_ = deepspeed.initialize(model=model, config=_config(**zero))
+    engine, *_ = deepspeed.initialize(model=model, config=_config(gas, **zero))
     comms_logger.comms_dict.clear()
     groups_seen = []
     fetch = engine.optimizer._stage.coordinator.fetch if hasattr(engine.optimizer, "_stage") else None
@@ -188,11 +189,11 @@ def _train(steps, zero, record_groups=False, grads=True):
         fetch.node_transport.all_gather = recording
     losses, full_grads = [], []
     rank = torch.distributed.get_rank()
-    for step in range(steps):
+    for step in range(steps * gas):
         x, y = _batch(step, rank)
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
-        if grads:
+        if grads and step % gas == gas - 1:
             comms_logger.enabled = False  # the accessors' gathers are not the training's
             full_grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
             comms_logger.enabled = True
@@ -206,9 +207,9 @@ def _train(steps, zero, record_groups=False, grads=True):
     return losses, full_grads, params, records, groups_seen
 
 
-def _hpz_case(h):
-    plain = _train(3, {})
-    hpz = _train(3, {"zero_hpz_partition_size": h}, record_groups=True)
+def _hpz_case(h, extra, gas):
+    plain = _train(3, dict(extra), gas=gas)
+    hpz = _train(3, dict(extra, zero_hpz_partition_size=h), record_groups=True, gas=gas)
     assert plain[0] == hpz[0], (plain[0], hpz[0])  # losses, bitwise
     for g_plain, g_hpz in zip(plain[1], hpz[1]):
         for name in g_plain:
@@ -218,9 +219,17 @@ def _hpz_case(h):
     return plain[3], hpz[3], hpz[4]
 
 
-@pytest.mark.parametrize("world,h", [(4, 2), (2, 2), (2, 1)])
-def test_hpz_bitwise_and_node_gathers(world, h):
-    results = run_distributed(_hpz_case, world_size=world, args=(h, ), timeout=180)
+@pytest.mark.parametrize("world,h,extra,gas", [(4, 2, {}, 1), (2, 2, {}, 1), (2, 1, {}, 1),
+                                               (4, 2, {
+                                                   "offload_param": {
+                                                       "device": "cpu"
+                                                   },
+                                                   "offload_optimizer": {
+                                                       "device": "cpu"
+                                                   }
+                                               }, 2)])
+def test_hpz_bitwise_and_node_gathers(world, h, extra, gas):
+    results = run_distributed(_hpz_case, world_size=world, args=(h, extra, gas), timeout=180)
     plain, hpz, seen = results[0]
     node_name = "all_gather_into_tensor:hpz_node"
     primary = sum(plain["all_gather_into_tensor"].values())
