@@ -102,7 +102,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                 p.data = torch.empty(0, dtype=model_dtype, device=device)
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
-        node_axis, grad_transport, fetch = self._zeropp(config.zeropp, group, world)
+        grad_transport, fetch = self._zeropp(config.zeropp, group, world)
         geometry = UnitGeometry(units,
                                 layout,
                                 use_reduce_scatter=config.use_reduce_scatter,
@@ -206,8 +206,9 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                 self.param_tier.swap_out()
 
     def _zeropp(self, zeropp, group, world):
-        """ZeRO++ (``zeropp.py``): ``(node axis, gradient transport, unit fetch plan)``; the node axis (a mesh axis,
-        built by ``deepspeed.utils.node_axis``) serves hpZ's secondary shards and qgZ's two hops."""
+        """ZeRO++ (``zeropp.py``): ``(gradient transport, unit fetch plan)``. The node axis (a mesh axis, built by
+        ``deepspeed.utils.node_axis``) serves hpZ's secondary shards (``unit_fetch.py``) and qgZ's two hops
+        (``quantized_reduce.py``); with neither, the default transport and a plain fetch."""
         nodes = zeropp.hpz_partition_size
         if zeropp.quantized_weights or zeropp.quantized_gradients:
             from deepspeed.ops import block_quant_native
@@ -220,7 +221,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                               world,
                               quantized_weights=zeropp.quantized_weights,
                               node_axis=node_axis if zeropp.hpz_partition_size > 1 else None)
-        return node_axis, grad_transport, fetch
+        return grad_transport, fetch
 
     def _page_table(self):
         """The pages of the disk tiers (``device: nvme``): each unit's segment of each group (the frozen parameters

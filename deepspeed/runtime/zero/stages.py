@@ -67,7 +67,7 @@ class StageConfig:
             raise NotImplementedError("zero_optimization.offload_optimizer.super_offload (speculative steps) on ZeRO "
                                       "stage 3 needs offload_optimizer.ratio 1 (no device share); see docs/offload.md")
         param_section = zero.offload_param if offload_param == "cpu" else None
-        zeropp = check_zeropp(zero, stage, _zero_world_size())
+        zeropp = check_zeropp(zero, stage, _zero_world_size() if zero.zero_hpz_partition_size > 1 else 1)
         return cls(stage=stage,
                    model_dtype=model_dtype,
                    accum_dtype=cfg.grad_accum_dtype or torch.float32,

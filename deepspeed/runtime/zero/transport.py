@@ -8,7 +8,8 @@ wait only orders the compute stream after the collective, it does not block the 
 
 The default, :class:`CommTransport`, sends everything through ``deepspeed.comm`` (so the
 comms logger sees it). A quantized or hierarchical reduction plugs in by implementing
-the three methods; a stage takes its transport at construction.
+the three methods (ZeRO++'s qgZ: ``quantized_reduce.py``); a stage takes its transport at
+construction.
 """
 
 import deepspeed.comm as dist
