@@ -23,6 +23,7 @@ from deepspeed.moe.utils import expert_group_size, expert_parallel_sizes, is_moe
 from deepspeed.runtime.sequence_parallel.loss import gradient_divisor
 from deepspeed.runtime.tensor_parallel import replicated
 from deepspeed.runtime.zero.reduction_spec import ReductionPlan, ReductionSpec
+from deepspeed.runtime.zero.zeropp import check_zeropp
 from deepspeed.utils import groups
 
 
@@ -85,11 +86,16 @@ def check_mesh_inputs(config, model, mpu, model_parallel_size=1):
     world = dist.get_world_size() if dist.is_initialized() else 1
     if layout is not None:
         layout.with_expert_sizes(sizes)  # raises MeshError for experts that do not fit a stage
+        zero_world = layout.sequence_data_parallel_size
     elif mpu is None:
-        groups.MeshDescription.standard(world,
-                                        sequence_parallel_size=sequence_parallel_size(config) or 1,
-                                        expert_parallel_sizes=sizes,
-                                        model_parallel_size=model_parallel_size)
+        zero_world = groups.MeshDescription.standard(
+            world,
+            sequence_parallel_size=sequence_parallel_size(config) or 1,
+            expert_parallel_sizes=sizes,
+            model_parallel_size=model_parallel_size).sequence_data_parallel_size
+    else:
+        zero_world = groups._mpu_sequence_data_parallel_size(mpu)
+    check_zeropp(config.zero_config, config.zero_optimization_stage, zero_world)  # ZeRO++'s node axis and keys
     return sizes
 
 

@@ -876,3 +876,10 @@ def _get_max_expert_parallel_group():
 
 def _get_expert_model_parallel_world_size():
     return 1
+
+
+# ZeRO++'s node axis (hpZ's secondary partition groups, qgZ's two hops) lives in node_axis.py, built from this mesh.
+from deepspeed.utils.node_axis import (  # noqa: E402,F401
+    _create_zero_param_parallel_group, _get_zero_param_intra_parallel_group,
+    _get_zero_param_intra_parallel_group_ranks, _get_zero_param_intra_parallel_group_world_size,
+    _get_zero_param_intra_parallel_rank_in_mygroup, _zero_param_parallel_is_initialized)

@@ -11,6 +11,7 @@ so ``setup.py`` loads it without importing ``deepspeed``.
 
 from .all_ops import ALL_OPS, BUILT_BUILDERS, prebuild_selection  # noqa: F401
 from .async_io import AsyncIOBuilder  # noqa: F401
+from .block_quant import BlockQuantBuilder  # noqa: F401
 from .builder import (  # noqa: F401
     CUDAOpBuilder, OpBuilder, TorchCPUOpBuilder, UnsupportedOpBuilder, get_default_compute_capabilities)
 from .cpu_adam import CPUAdamBuilder  # noqa: F401

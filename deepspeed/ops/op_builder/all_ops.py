@@ -2,13 +2,14 @@
 """``ALL_OPS``: every op builder by op name, the ones built here first."""
 
 from .async_io import AsyncIOBuilder
+from .block_quant import BlockQuantBuilder
 from .builder import UnsupportedOpBuilder
 from .cpu_adam import CPUAdamBuilder
 from .grad_ops import GradOpsBuilder
 from .torch_ops import TORCH_BUILDERS
 from .unsupported import UNSUPPORTED_BUILDERS
 
-BUILT_BUILDERS = [CPUAdamBuilder, GradOpsBuilder, AsyncIOBuilder]
+BUILT_BUILDERS = [CPUAdamBuilder, GradOpsBuilder, AsyncIOBuilder, BlockQuantBuilder]
 TORCH_OP_NAMES = {builder.NAME for builder in TORCH_BUILDERS}
 """The ops this package builds (prebuilt by ``DS_BUILD_OPS=1``, JIT otherwise)."""
 

@@ -156,6 +156,10 @@ class DeepSpeedZeroConfig(ConfigSection):
     @classmethod
     def _finalize(cls, values, spelled, path):
         stage = values.get("stage", 0)
+        if "zeropp_loco_param" in spelled:  # as upstream 0.19.8, which removed LoCo-ZeRO++
+            raise DeepSpeedConfigError(f"config key '{path}.zeropp_loco_param' (LoCo-ZeRO++ error feedback for "
+                                       "quantized gradients) is not supported, as in DeepSpeed 0.19.8 which removed "
+                                       "it; remove the key ('zero_quantized_gradients' runs without error feedback)")
         if spelled.get("gather_16bit_weights_on_model_save") == "stage3_gather_fp16_weights_on_model_save":
             logger.warning(f"config key '{path}.stage3_gather_fp16_weights_on_model_save' is deprecated; use "
                            f"'{path}.stage3_gather_16bit_weights_on_model_save'")

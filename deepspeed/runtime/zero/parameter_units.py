@@ -54,7 +54,8 @@ from deepspeed.runtime.backward.ownership import tensors_in
 from deepspeed.runtime.zero.parameter_offload import ensure_zero_ordered_dict, restore_parameters_dict
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, init_external_params
 from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.transport import DEFAULT_TRANSPORT, wait
+from deepspeed.runtime.zero.transport import wait
+from deepspeed.runtime.zero.unit_fetch import UnitFetchPlan
 from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
 # Units past the prefetched one whose shards a read-ahead callback is given (NVMe parameter offload reads them).
@@ -92,7 +93,7 @@ class ParamUnit:
         self.fwd_refs = 0
         self.bwd_hold = False
         self.leaf = None  # the leaf module whose whole subtree this unit is, if it is one
-        self._gather = None  # (work, buffer) while GATHERING
+        self._gather = None  # (work, wire buffer, keep a secondary shard) while GATHERING
         self._full = None  # the gathered storage, kept (resized to 0) across releases
         self._views = None
 
@@ -107,7 +108,7 @@ class UnitCoordinator:
     :class:`~deepspeed.runtime.zero.transfers.Transfer`) completed.
     """
 
-    def __init__(self, module, units, send_chunk_fn, pipeline, group, device, transport=None, read_ahead=None):
+    def __init__(self, module, units, send_chunk_fn, pipeline, group, device, fetch=None, read_ahead=None):
         self.module = module
         self._read_ahead = read_ahead  # called with the next units along the trace (NVMe reads start early)
         self.units = units
@@ -115,8 +116,9 @@ class UnitCoordinator:
         self.pipeline = pipeline
         self.group = group
         self.device = device
-        self.transport = transport or DEFAULT_TRANSPORT
         self.world_size = units[0].world_size if units else 1
+        # the wire and the group of each gather, per phase (ZeRO++: qwZ, hpZ's secondary shard)
+        self.fetch = fetch if fetch is not None else UnitFetchPlan(group, self.world_size)
         self._handles = []
         self._trace = []  # unit order of the first forward, for prefetching
         self._tracing = True
@@ -331,7 +333,7 @@ class UnitCoordinator:
         with ds_range("DS::gather"):
             for unit in units:
                 unit.bwd_hold = True
-                self.gather(unit)
+                self.gather(unit, backward=True)
                 self._prefetch_after(unit, forward=False)
         return None
 
@@ -383,7 +385,9 @@ class UnitCoordinator:
             self._maybe_release(unit)
 
     def release_all(self):
-        """Drop every gathered copy, persistent ones too (their shards changed: the step updated them)."""
+        """Drop every gathered copy, persistent ones too (their shards changed: the step updated them), and every
+        hpZ secondary shard."""
+        self.fetch.invalidate()
         for unit in self.units:
             unit.fwd_refs = 0
             unit.bwd_hold = False
@@ -458,18 +462,19 @@ class UnitCoordinator:
             full.untyped_storage().resize_(full.numel() * full.element_size())
         return full, unit._views
 
-    def _launch_gather(self, unit):
+    def _launch_gather(self, unit, backward=False):
         if self.world_size == 1:
             # On a world of one the unit's row is the whole unit, laid out as the gathered storage:
             # this rank's shards are cast (or uploaded) straight into it, no collective and no copy-out.
             full, _ = self._storage(unit, self._model_dtype(unit))
             _, ready = self._send_chunk(unit, full)
-            unit._gather = (ready, None)  # waiting on the copy orders the compute stream after it
+            unit._gather = (ready, None, False)  # waiting on the copy orders the compute stream after it
+        elif not self.fetch.needs_row(backward, unit.index):  # hpZ: the node group's secondary shards serve
+            unit._gather = self.fetch.launch(None, backward, unit.index)
         else:
             send, ready = self._send_chunk(unit, None)
-            buffer = torch.empty(self.world_size * unit.chunk, dtype=send.dtype, device=self.device)
             with ready.ordered():  # the all-gather reads ``send`` after its copy; the compute stream does not wait
-                unit._gather = (self.transport.all_gather(buffer, send, self.group), buffer)
+                unit._gather = self.fetch.launch(send, backward, unit.index, keep=not unit.persistent)
         unit.state = UnitState.GATHERING
         for param in unit.params:
             param.ds_status = ZeroParamStatus.INFLIGHT
@@ -479,12 +484,14 @@ class UnitCoordinator:
         return unit.params[0].dtype if unit.params else torch.float32
 
     def _finish_gather(self, unit):
-        work, buffer = unit._gather
+        work, buffer, keep = unit._gather
         unit._gather = None
         wait(work)
-        full, views = self._storage(unit, self._model_dtype(unit) if buffer is None else buffer.dtype)
+        dtype = self._model_dtype(unit)
+        full, views = self._storage(unit, dtype)
         if buffer is not None:  # rank-major rows -> every parameter's padded block, in one copy
-            torch.split_with_sizes_copy(buffer.view(self.world_size, unit.chunk),
+            rows = self.fetch.finish(buffer, unit.chunk, dtype, keep, unit.index)
+            torch.split_with_sizes_copy(rows.view(self.world_size, unit.chunk),
                                         unit.shards,
                                         dim=1,
                                         out=[padded for padded, _ in views])
@@ -493,12 +500,13 @@ class UnitCoordinator:
             param.ds_status = ZeroParamStatus.AVAILABLE
         unit.state = UnitState.GATHERED
 
-    def gather(self, unit):
-        """Make ``unit``'s parameters whole (a collective, unless already gathered or in flight)."""
+    def gather(self, unit, backward=False):
+        """Make ``unit``'s parameters whole (a collective, unless already gathered or in flight); ``backward``: for
+        a backward visit (hpZ gathers it inside the node group when it can)."""
         if unit.state is UnitState.GATHERED:
             return
         if unit.state is UnitState.SHARDED:
-            self._launch_gather(unit)
+            self._launch_gather(unit, backward)
         self._finish_gather(unit)
 
     def _prefetch_after(self, unit, forward):
@@ -510,7 +518,7 @@ class UnitCoordinator:
         if 0 <= nxt < len(self._trace):
             candidate = self._trace[nxt]
             if candidate.state is UnitState.SHARDED and not candidate.persistent:
-                self._launch_gather(candidate)
+                self._launch_gather(candidate, not forward)
         if self._read_ahead is not None:
             ahead = [
                 self._trace[i] for i in range(nxt + direction, nxt + direction * (1 + READ_AHEAD_UNITS), direction)

@@ -51,6 +51,9 @@ from deepspeed.runtime.zero.speculative_step import NEEDS_PIPELINED_STEP, Specul
 from deepspeed.runtime.zero.stage_base import ZeroStage, global_rank, trainable_groups
 from deepspeed.runtime.zero.transfers import DONE, pinned
 from deepspeed.runtime.zero.unit_step import UnitStep
+from deepspeed.runtime.zero.quantized_reduce import QuantizedReduceScatter, qgz_node_size
+from deepspeed.runtime.zero.unit_fetch import UnitFetchPlan
+from deepspeed.utils.node_axis import build_node_axis
 from deepspeed.utils.timer import OPTIMIZER_STEP_TIMER
 
 
@@ -100,9 +103,11 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                 p.data = torch.empty(0, dtype=model_dtype, device=device)
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
+        grad_transport, fetch = self._zeropp(config.zeropp, group, world)
         geometry = UnitGeometry(units,
                                 layout,
                                 use_reduce_scatter=config.use_reduce_scatter,
+                                transport=grad_transport,
                                 **self._geometry_args(self.part_device if config.offload_optimizer else None))
         self._build_pipeline(geometry,
                              reduce_in_every_backward=True,
@@ -161,6 +166,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                                            self.pipeline,
                                            group,
                                            device,
+                                           fetch=fetch,
                                            read_ahead=self._read_ahead if config.param_swap is not None else None)
         # The pipelined host step overlaps the next forward (``unit_step.py``); whatever else reads or writes
         # what it touches completes it first: the next backward's folds into the gradient partitions (their
@@ -200,6 +206,24 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                 if self.host_step is not None:
                     self.host_step.shard_tier = self.param_tier
                 self.param_tier.swap_out()
+
+    def _zeropp(self, zeropp, group, world):
+        """ZeRO++ (``zeropp.py``): ``(gradient transport, unit fetch plan)``. The node axis (a mesh axis, built by
+        ``deepspeed.utils.node_axis``) serves hpZ's secondary shards (``unit_fetch.py``) and qgZ's two hops
+        (``quantized_reduce.py``); with neither, the default transport and a plain fetch."""
+        nodes = zeropp.hpz_partition_size
+        if zeropp.quantized_weights or zeropp.quantized_gradients:
+            from deepspeed.ops import block_quant_native
+            block_quant_native.register(self.device)  # the host op for a CPU engine (measured faster there)
+        if zeropp.quantized_gradients and nodes == 1 and group is None:
+            nodes = qgz_node_size(world)  # hpZ off: qgZ's first hop stays inside a host
+        node_axis = build_node_axis(nodes, cross=zeropp.quantized_gradients) if nodes > 1 and world > 1 else None
+        grad_transport = QuantizedReduceScatter(world, node_axis) if zeropp.quantized_gradients else None
+        fetch = UnitFetchPlan(group,
+                              world,
+                              quantized_weights=zeropp.quantized_weights,
+                              node_axis=node_axis if zeropp.hpz_partition_size > 1 else None)
+        return grad_transport, fetch
 
     def _page_table(self):
         """The pages of the disk tiers (``device: nvme``): each unit's segment of each group (the frozen parameters
@@ -457,6 +481,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     def set_fp32_param(self, param, value):
         self._masters_current()
+        self.coordinator.fetch.invalidate()  # hpZ's secondary shards hold the old values
         with torch.no_grad():
             g = self._group(param)
             if g < len(self.masters):
@@ -469,6 +494,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     def params_modified(self, param):
         """``param.ds_tensor`` was rewritten (GatheredParameters with a modifier): refresh its master."""
+        self.coordinator.fetch.invalidate()  # hpZ's secondary shards hold the old values
         g = self._group(param)
         if g < len(self.masters):
             self._masters_current()

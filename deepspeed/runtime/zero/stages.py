@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from deepspeed.runtime.zenflow.config import check_zenflow_stage
+from deepspeed.runtime.zero.zeropp import ZeroPP, check_zeropp
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class StageConfig:
     unit_numel: int = int(5e7)  # stage 3: stage3_prefetch_bucket_size
     persistence_threshold: int = int(1e5)  # stage 3: stage3_param_persistence_threshold
     muon_momentum_on_device: bool = False  # save_muon_momentum_buffer_in_memory: Muon momentum beside the model
+    zeropp: ZeroPP = ZeroPP()  # stage 3: ZeRO++ (hpZ, qwZ, qgZ; zeropp.py)
 
     @classmethod
     def from_ds_config(cls, cfg, model_dtype):
@@ -66,6 +68,7 @@ class StageConfig:
             raise NotImplementedError("zero_optimization.offload_optimizer.super_offload (speculative steps) on ZeRO "
                                       "stage 3 needs offload_optimizer.ratio 1 (no device share); see docs/offload.md")
         param_section = zero.offload_param if offload_param == "cpu" else None
+        zeropp = check_zeropp(zero, stage, _zero_world_size() if zero.zero_hpz_partition_size > 1 else 1)
         return cls(stage=stage,
                    model_dtype=model_dtype,
                    accum_dtype=cfg.grad_accum_dtype or torch.float32,
@@ -89,7 +92,14 @@ class StageConfig:
                    param_swap=param_swap,
                    unit_numel=max(1, int(zero.stage3_prefetch_bucket_size)),
                    persistence_threshold=int(zero.stage3_param_persistence_threshold),
-                   muon_momentum_on_device=bool(zero.save_muon_momentum_buffer_in_memory))
+                   muon_momentum_on_device=bool(zero.save_muon_momentum_buffer_in_memory),
+                   zeropp=zeropp)
+
+
+def _zero_world_size():
+    """The size of the groups ZeRO shards over, from the current mesh."""
+    from deepspeed.utils import groups
+    return groups.current_mesh().description.sequence_data_parallel_size
 
 
 def _device_name(device):

@@ -8,7 +8,8 @@ wait only orders the compute stream after the collective, it does not block the 
 
 The default, :class:`CommTransport`, sends everything through ``deepspeed.comm`` (so the
 comms logger sees it). A quantized or hierarchical reduction plugs in by implementing
-the three methods; a stage takes its transport at construction.
+the three methods (ZeRO++'s qgZ: ``quantized_reduce.py``); a stage takes its transport at
+construction.
 """
 
 import deepspeed.comm as dist
@@ -31,16 +32,40 @@ class Transport:
 
 
 class CommTransport(Transport):
-    """The default transport: asynchronous ``deepspeed.comm`` collectives."""
+    """The default transport: asynchronous ``deepspeed.comm`` collectives.
+
+    ``label`` (optional) names what the collectives carry for the comms logger: they are recorded as
+    ``"<collective>:<label>"`` (``all_gather_into_tensor:hpz_node``), so bytes can be told apart by use.
+    """
+
+    def __init__(self, label=None):
+        self.label = label
+
+    def _name(self, op):
+        return None if self.label is None else f"{op}:{self.label}"
 
     def all_reduce(self, tensor, group):
-        return dist.all_reduce(tensor, group=group, async_op=True)
+        if self.label is None:
+            return dist.all_reduce(tensor, group=group, async_op=True)
+        return dist.all_reduce(tensor, group=group, async_op=True, log_name=self._name("all_reduce"))
 
     def reduce_scatter(self, output, input, group):
-        return dist.reduce_scatter_tensor(output, input, group=group, async_op=True)
+        if self.label is None:
+            return dist.reduce_scatter_tensor(output, input, group=group, async_op=True)
+        return dist.reduce_scatter_tensor(output,
+                                          input,
+                                          group=group,
+                                          async_op=True,
+                                          log_name=self._name("reduce_scatter_tensor"))
 
     def all_gather(self, output, input, group):
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=True)
+        if self.label is None:
+            return dist.all_gather_into_tensor(output, input, group=group, async_op=True)
+        return dist.all_gather_into_tensor(output,
+                                           input,
+                                           group=group,
+                                           async_op=True,
+                                           log_name=self._name("all_gather_into_tensor"))
 
 
 DEFAULT_TRANSPORT = CommTransport()

@@ -123,9 +123,9 @@ def lifetimes_worker(by_config):
     launches = []
     launch = stage.coordinator._launch_gather
 
-    def counting_launch(unit):
+    def counting_launch(unit, *phase):
         launches.append(unit.index)
-        return launch(unit)
+        return launch(unit, *phase)
 
     stage.coordinator._launch_gather = counting_launch
     released_in_backward = []
