@@ -33,7 +33,6 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.zenflow.stage_io import UnitIO
 from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
-from deepspeed.utils.logging import logger
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.checkpoint_stage3 import Stage3Checkpoint
 from deepspeed.runtime.zero.device_share import device_ranges
@@ -188,16 +187,11 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         # NVMe parameter offload (``param_swap.py``): the 16-bit shards go to disk, gathers read them page by page.
         self.param_tier = None
         if config.param_swap is not None:
-            if self.host_step is not None and self.host_step.pipeline is None:
-                logger.warning("offload_param.device 'nvme' needs the pipelined host step (DeepSpeedCPUAdam on the "
-                               "host Adam op, a 16-bit model, DS_OFFLOAD_OVERLAP not 0): the parameter shards stay "
-                               "in host memory")
-            else:
-                from deepspeed.runtime.swap_tensor.param_swap import ParamShardSwap
-                self.param_tier = ParamShardSwap(self, self._page_table(), config.param_swap, global_rank())
-                if self.host_step is not None:
-                    self.host_step.shard_tier = self.param_tier
-                self.param_tier.swap_out()
+            from deepspeed.runtime.swap_tensor.param_swap import ParamShardSwap
+            self.param_tier = ParamShardSwap(self, self._page_table(), config.param_swap, global_rank())
+            if self.host_step is not None:
+                self.host_step.attach_shard_tier(self.param_tier)
+            self.param_tier.swap_out()
 
     def _page_table(self):
         """The pages of the disk tiers (``device: nvme``): each unit's segment of each group (the frozen parameters
