@@ -30,7 +30,7 @@ the next pipelined step writes them out first (:meth:`swap_out`).
 import torch
 
 from deepspeed.ops.adam import host_adam
-from deepspeed.runtime.swap_tensor.disk_tier import EMPTY_FP32, DiskTier
+from deepspeed.runtime.swap_tensor.disk_tier import release_host_cache, EMPTY_FP32, DiskTier
 from deepspeed.runtime.swap_tensor.swap_folder import optimizer_folder
 from deepspeed.runtime.zero.transfers import pinned_empty
 
@@ -108,6 +108,7 @@ class OptimizerStateSwap(DiskTier):
                 for k in present[g]:
                     state.pop(k, None)
         self.resident = False
+        release_host_cache()
 
     def swap_in(self):
         """Read the masters (and the state, once it exists) into host tensors again (a no-op when resident)."""

@@ -116,7 +116,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         self.masters = []
         for g in range(num_groups):
             values = self.shards[g].to(self.part_device, torch.float32, copy=True)
-            self.masters.append(master_partition(values, geometry.grad_parts[g], config.pin_memory))
+            self.masters.append(master_partition(values, geometry.grad_parts[g], config.pin_masters))
         point_optimizer_at(optimizer, self.masters, layout.group_part_numel)
         # Where masters live beside the parameters' device, gathers read the fp32 masters and
         # cast while copying in (as FSDP2 does): no 16-bit copy of the shards is kept.

@@ -84,7 +84,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
             for bucket in layout.buckets:
                 if bucket.group == g:
                     layout.bucket_part(master, bucket).copy_(layout.bucket_own_chunk_full(self.flat_params, bucket))
-            self.masters.append(master_partition(master, geometry.grad_parts[g], config.pin_memory))
+            self.masters.append(master_partition(master, geometry.grad_parts[g], config.pin_masters))
         point_optimizer_at(optimizer, self.masters, [bool(g) for g in groups])
         self.host_step = None
         if config.offload_optimizer:

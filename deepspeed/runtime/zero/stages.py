@@ -43,6 +43,12 @@ class StageConfig:
     unit_numel: int = int(5e7)  # stage 3: stage3_prefetch_bucket_size
     persistence_threshold: int = int(1e5)  # stage 3: stage3_param_persistence_threshold
 
+    @property
+    def pin_masters(self):
+        """Whether the fp32 masters are built page-locked: ``pin_memory``, unless the optimizer tier takes them to
+        disk at once (pinned, their freed blocks would stay cached, locked, in torch's host allocator)."""
+        return self.pin_memory and self.optimizer_swap is None
+
     @classmethod
     def from_ds_config(cls, cfg, model_dtype):
         """The stage config of a parsed DeepSpeed config; NotImplementedError for what is not supported."""
