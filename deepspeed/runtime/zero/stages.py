@@ -140,10 +140,6 @@ def _registry():
 def build_stage(config, module, optimizer, clock, *, device, group, reduction=None):
     """The stage object for ``config.stage`` (see the module docstring)."""
     stages = _registry()
-    if config.optimizer_swap is not None:  # refused before the stage is built where the disk tier cannot page it
-        from deepspeed.runtime.swap_tensor.paged_step import probe_state_fields
-        from deepspeed.runtime.zero.offload_step import writes_16bit_copy
-        probe_state_fields(optimizer, config.model_dtype, writes_16bit_copy(optimizer))
     if config.stage not in stages:
         raise NotImplementedError(f"zero_optimization.stage={config.stage} is not available in this release; see "
                                   f"docs/compatibility.md")
