@@ -42,7 +42,8 @@ from deepspeed.runtime.zero.parameter_units import UnitCoordinator, build_units
 from deepspeed.runtime.zero.partition_layout import UnitPartitionLayout
 from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zero_param, partition_param,
                                                          write_shard_from_full)
-from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
+from deepspeed.runtime.zero.partitioned_step import (PartitionedOptimizerState, attach_grad, master_partition,
+                                                     point_optimizer_at)
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import UnitGeometry
 from deepspeed.runtime.zero.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
@@ -283,7 +284,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             attached = self.config.accum_dtype != torch.float32
             if attached:
                 for master, part in zip(self.masters, self.grad_parts):
-                    master.grad = part.to(torch.float32)
+                    attach_grad(master, part.to(torch.float32))
             if self.host_step is not None:
                 self.host_step.step(before_write=self.fetch if self._host_shards else None,
                                     grad_scale=self._take_grad_scale())

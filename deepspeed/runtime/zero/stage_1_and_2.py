@@ -32,7 +32,8 @@ from deepspeed.runtime.zero.checkpoint_partitioned import PartitionedCheckpoint
 from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.piece_waits import PieceWaits
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
-from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
+from deepspeed.runtime.zero.partitioned_step import (PartitionedOptimizerState, attach_grad, master_partition,
+                                                     point_optimizer_at)
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import PartitionGeometry
 from deepspeed.runtime.zero.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
@@ -174,7 +175,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         if self.config.accum_dtype == torch.float32:
             return False
         for master, part in zip(self.masters, self.grad_parts):
-            master.grad = part.to(torch.float32)
+            attach_grad(master, part.to(torch.float32))
         return True
 
     def _masters_current(self):

@@ -55,10 +55,11 @@ def _config(cell, folder):
     device = "nvme" if folder else "cpu"
     zero = {"stage": stage, "reduce_bucket_size": 16, "overlap_comm": cell["overlap_comm"]}
     zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-    if cell["tiers"] in ("optimizer", "both"):
+    if cell["tiers"] in ("optimizer", "both", "optimizer_only"):
         zero["offload_optimizer"]["device"] = device
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size=20, stage3_param_persistence_threshold=3)
+    if stage == 3 and cell["tiers"] != "optimizer_only":  # "optimizer_only": the 16-bit shards on the device
         zero["offload_param"] = {"device": "cpu"}
         if cell["tiers"] in ("param", "both"):
             zero["offload_param"]["device"] = device
@@ -66,7 +67,7 @@ def _config(cell, folder):
         zero["sub_group_size"] = 9
         if zero["offload_optimizer"]["device"] == "nvme":
             zero["offload_optimizer"].update(nvme_path=os.path.join(folder, "optimizer"), buffer_count=3)
-        if stage == 3 and zero["offload_param"]["device"] == "nvme":
+        if "nvme" == zero.get("offload_param", {}).get("device"):
             zero["offload_param"].update(nvme_path=os.path.join(folder, "param"),
                                          buffer_count=2,
                                          buffer_size=7,
@@ -83,6 +84,8 @@ def _config(cell, folder):
         cfg["optimizer"] = section
     else:
         cfg["zero_force_ds_cpu_optimizer"] = False
+    if cell.get("accum"):  # a 16-bit gradient window: the step is the whole-partition one
+        cfg["data_types"] = {"grad_accum_dtype": cell["accum"]}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
@@ -111,7 +114,7 @@ def _train(cell, folder, steps=2):
         stage = engine._stage
         tiers = [t for t in (stage.host_step.swap, getattr(stage, "param_tier", None)) if t is not None]
         if folder:
-            want = {"optimizer": 1, "param": 1, "both": 2}[cell["tiers"]]
+            want = {"optimizer": 1, "optimizer_only": 1, "param": 1, "both": 2}[cell["tiers"]]
             assert len(tiers) == want, f"rank {rank}: {len(tiers)} disk tiers, expected {want}"
         trace = []
         names = [n for n, _ in engine.module.named_parameters()]
@@ -171,12 +174,16 @@ def _run_cells(cells):
 
 def cell_id(cell):
     return (f"z{cell['stage']}-{cell['optimizer']}-{cell['dtype']}-{cell['tiers']}"
-            f"{'-oc' if cell['overlap_comm'] else ''}{'-pipe' if cell['pipelined'] else '-whole'}")
+            f"{'-oc' if cell['overlap_comm'] else ''}{'-pipe' if cell['pipelined'] else '-whole'}"
+            f"{'-accum' + cell['accum'] if cell.get('accum') else ''}")
 
 
-def _cell(stage, optimizer, dtype, tiers="optimizer", overlap_comm=False, pipelined=True):
-    return dict(stage=stage, optimizer=optimizer, dtype=dtype, tiers=tiers, overlap_comm=overlap_comm,
+def _cell(stage, optimizer, dtype, tiers="optimizer", overlap_comm=False, pipelined=True, accum=None):
+    cell = dict(stage=stage, optimizer=optimizer, dtype=dtype, tiers=tiers, overlap_comm=overlap_comm,
                 pipelined=pipelined)
+    if accum is not None:
+        cell["accum"] = accum
+    return cell
 
 
 # Named cells: every optimizer, every dtype, both overlap settings, ZeRO 1-3 and each tier; the cases (ZeRO-3
@@ -189,7 +196,8 @@ NAMED = [
     _cell(2, "adagrad", "fp32", pipelined=False),
     _cell(3, "client_sgd", "bf16", "param"),
     _cell(1, "cpuadam", "bf16", pipelined=False, overlap_comm=True),
-    _cell(3, "lion", "fp32", "optimizer", pipelined=False),
+    _cell(2, "cpuadam", "bf16", "optimizer", accum="bf16"),
+    _cell(3, "lion", "fp32", "optimizer_only", pipelined=False),
 ]
 
 
@@ -199,7 +207,8 @@ def _drawn(count, seed=35):
     while len(cells) < count:
         stage = rng.randint(1, 3)
         cell = _cell(stage, rng.choice(OPTIMIZERS), rng.choice(DTYPES),
-                     rng.choice(["optimizer", "param", "both"]) if stage == 3 else "optimizer", rng.random() < 0.5,
+                     rng.choice(["optimizer", "optimizer_only", "param", "both"]) if stage == 3 else "optimizer",
+                     rng.random() < 0.5,
                      rng.random() < 0.5)
         if cell not in NAMED and cell not in cells:
             cells.append(cell)
@@ -209,7 +218,7 @@ def _drawn(count, seed=35):
 DRAWN = _drawn(int(os.environ.get("DS_DISK_PATH_CASES", 2)))
 
 
-@pytest.mark.parametrize("chunk", [NAMED[:4], NAMED[4:], DRAWN], ids=["named-a", "named-b", "drawn"])
+@pytest.mark.parametrize("chunk", [NAMED[:5], NAMED[5:], DRAWN], ids=["named-a", "named-b", "drawn"])
 def test_nvme_matches_cpu_offload(chunk):
     run_distributed(_run_cells, 2, args=(chunk, ), timeout=300)
 
