@@ -96,7 +96,9 @@ def main():
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--gas", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--scale", type=float, default=None,
+    parser.add_argument("--scale",
+                        type=float,
+                        default=None,
                         help="page and cache sizes times this (default: the model's size over 0.5e9)")
     args = parser.parse_args()
 
@@ -120,15 +122,26 @@ def main():
     sections["offload_param"]["buffer_size"] = max(64, int(NVME_SECTIONS["offload_param"]["buffer_size"] * scale))
     sections["offload_param"]["max_in_cpu"] = max(64, int(NVME_SECTIONS["offload_param"]["max_in_cpu"] * scale))
     zero = {"stage": 3, "sub_group_size": sections["sub_group_size"]}
-    zero["offload_optimizer"] = dict(sections["offload_optimizer"], device="nvme", nvme_path=args.nvme_path,
+    zero["offload_optimizer"] = dict(sections["offload_optimizer"],
+                                     device="nvme",
+                                     nvme_path=args.nvme_path,
                                      pin_memory=True)
     zero["offload_param"] = dict(sections["offload_param"], device="nvme", nvme_path=args.nvme_path, pin_memory=True)
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.gas,
         "gradient_clipping": 1.0,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
+        "bf16": {
+            "enabled": True
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-4,
+                "weight_decay": 0.1,
+                "betas": [0.9, 0.95]
+            }
+        },
         "zero_optimization": zero,
         "aio": sections["aio"],
         "steps_per_print": 10**9,

@@ -78,7 +78,10 @@ class OptimizerStateSwap(DiskTier):
         try:
             for g, master in enumerate(host_step.masters):
                 state = self._state(g) or {}
-                held = {k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() == self.numel[g]}
+                held = {
+                    k
+                    for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() == self.numel[g]
+                }
                 extra = held - set(self.keys)
                 if extra:
                     raise ValueError(f"OptimizerStateSwap: the optimizer state of group {g} holds {sorted(extra)}, "

@@ -135,7 +135,7 @@ def _probe_run(optimizer, g, init, grads, pages, out_dtype, fused_copy):
                         fields[key].narrow(0, start, length).copy_(value)
                 else:
                     created.setdefault(key, torch.zeros(param.numel(), dtype=value.dtype)).narrow(0, start,
-                                                                                                 length).copy_(value)
+                                                                                                  length).copy_(value)
             start += length
         fields.update(created)
         rest = after
@@ -172,15 +172,22 @@ def probe_state_fields(optimizer, model_dtype, fused_copy, key="zero_optimizatio
                     f"elements), and the optimizer {name} could not step a part of a partition: "
                     f"{type(error).__name__}: {error}. Use {key} 'cpu', or an optimizer whose update is elementwise "
                     f"(Adam, AdamW, Lion, Adagrad, SGD; docs/offload.md)") from error
-            differs = [what for what, a, b in (("parameter", whole[0], paged[0]), ("16-bit copy", whole[1], paged[1]))
-                       if not _same(a, b)]
-            differs += [f"state '{k}'" for k in sorted(set(whole[2]) | set(paged[2]))
-                        if not _same(whole[2].get(k), paged[2].get(k))]
-            differs += [f"state '{k}'" for k in sorted(set(whole[3]) | set(paged[3]))
-                        if not _same(whole[3].get(k), paged[3].get(k))]
+            differs = [
+                what for what, a, b in (("parameter", whole[0], paged[0]), ("16-bit copy", whole[1], paged[1]))
+                if not _same(a, b)
+            ]
+            differs += [
+                f"state '{k}'" for k in sorted(set(whole[2]) | set(paged[2]))
+                if not _same(whole[2].get(k), paged[2].get(k))
+            ]
+            differs += [
+                f"state '{k}'" for k in sorted(set(whole[3]) | set(paged[3]))
+                if not _same(whole[3].get(k), paged[3].get(k))
+            ]
             if differs:
-                fused = " (param group key 'fused': torch's fused kernel rounds a range's tail differently)" if group.get(
-                    "fused") else ""
+                fused = ""
+                if group.get("fused"):
+                    fused = " (param group key 'fused': torch's fused kernel rounds a range's tail differently)"
                 raise NotPageableError(
                     f"{key} 'nvme' steps the optimizer state a page at a time (zero_optimization.sub_group_size "
                     f"elements), and the optimizer {name}'s update of param group {g} is not elementwise{fused}: "

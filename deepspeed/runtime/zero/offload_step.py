@@ -108,14 +108,15 @@ class HostStep:
         if device_ranges:
             if self.pipeline is None:
                 self.close()
-                raise NotImplementedError(NEEDS_PIPELINE.format(what="zero_optimization.offload_optimizer.ratio < 1 "
-                                                                "(partial offload)",
-                                                                instead="set offload_optimizer.ratio to 1"))
+                raise NotImplementedError(
+                    NEEDS_PIPELINE.format(what="zero_optimization.offload_optimizer.ratio < 1 "
+                                          "(partial offload)",
+                                          instead="set offload_optimizer.ratio to 1"))
             self.share = DeviceShare(self, device_ranges, self.device)
 
     def _attach_optimizer_tier(self, disk, page_table, rank):
-        """The optimizer tier on every path: paged by the pieces (``page_table``) for the pipelined step, on the aligned
-        grid of ``paged_step`` for the inner optimizer's own step; NotPageableError where that step is not
+        """The optimizer tier on every path: paged by the pieces (``page_table``) for the pipelined step, on the
+        aligned grid of ``paged_step`` for the inner optimizer's own step; NotPageableError where that step is not
         elementwise (``paged_step.probe_state_fields``)."""
         from deepspeed.runtime.swap_tensor.optimizer_swap import MOMENTS, OptimizerStateSwap
         from deepspeed.runtime.swap_tensor.paged_step import PagedStep, grid_table

@@ -139,7 +139,7 @@ def is_page_locked(tensor):
 
 
 class PinnedRing:
-    """At most ``count`` host buffers of ``numel`` elements, handed out in turn; a buffer is reused only after its copy.
+    """At most ``count`` host buffers of ``numel`` elements, handed out in turn; a buffer is reused after its copy.
 
     ``take(numel)`` returns a view of the next buffer (``numel`` at most the buffer size) and
     waits for the transfer that last used it, so pinned memory stays bounded by
@@ -148,9 +148,9 @@ class PinnedRing:
     it completed without waiting).
 
     Buffers are allocated as they are needed: one at first, another only when the next one in turn is still in use
-    and fewer than ``count`` exist. So the ring holds the most buffers ever in use at once, not ``count`` of them: where
-    the consumer keeps up (the host adds of a gradient fold, a shard upload), a few buffers instead of the whole ring
-    (on the 0.5e9-parameter NVMe benchmark, the folds' ring would otherwise pin 32 x 32 MiB).
+    and fewer than ``count`` exist. So the ring holds the most buffers ever in use at once, not ``count`` of them:
+    where the consumer keeps up (the host adds of a gradient fold, a shard upload), a few buffers instead of the
+    whole ring (on the 0.5e9-parameter NVMe benchmark, the folds' ring would otherwise pin 32 x 32 MiB).
     """
 
     def __init__(self, count, numel, dtype, pin_memory=True):

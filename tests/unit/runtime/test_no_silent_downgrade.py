@@ -32,7 +32,8 @@ def test_unknown_warmup_type_refused(schedule):
 def test_offload_param_below_stage3_refused(stage):
     """Formerly: a warning, and the parameters stayed on the device."""
     config = {"train_batch_size": 2, "zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}}}
-    with pytest.raises(DeepSpeedConfigError, match=r"zero_optimization.offload_param.*requires 'zero_optimization.stage' 3"):
+    with pytest.raises(DeepSpeedConfigError,
+                       match=r"zero_optimization.offload_param.*requires 'zero_optimization.stage' 3"):
         DeepSpeedConfig(config)
     config["zero_optimization"]["offload_param"]["device"] = "none"  # asks for nothing: accepted
     DeepSpeedConfig(config)
@@ -60,17 +61,35 @@ def test_downgrades_refused_on_every_rank():
     """Formerly warnings: partial offload without the pipelined step (the whole state stayed on the host); a leaf
     module name that names no module (nothing was made a leaf); an offload_param section on ZeRO-2."""
     base = {"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False}
-    ratio = dict(base,
-                 zero_optimization={
-                     "stage": 3,
-                     "offload_optimizer": {"device": "cpu", "ratio": 0.5}
-                 })
+    ratio = dict(base, zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
     text = _every_rank(ratio, client=True)
     assert "offload_optimizer.ratio < 1" in text and "pipelined host step" in text and "DeepSpeedCPUAdam" in text
-    leaf = dict(base, optimizer={"type": "AdamW", "params": {"lr": 1e-3}},
-                zero_optimization={"stage": 3, "leaf_module": {"names": ["0", "encoder.block"]}})
+    leaf = dict(base,
+                optimizer={
+                    "type": "AdamW",
+                    "params": {
+                        "lr": 1e-3
+                    }
+                },
+                zero_optimization={
+                    "stage": 3,
+                    "leaf_module": {
+                        "names": ["0", "encoder.block"]
+                    }
+                })
     text = _every_rank(leaf)
     assert "zero_optimization.leaf_module.names" in text and "encoder.block" in text
-    z2 = dict(base, optimizer={"type": "AdamW", "params": {"lr": 1e-3}},
-              zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}})
+    z2 = dict(base,
+              optimizer={
+                  "type": "AdamW",
+                  "params": {
+                      "lr": 1e-3
+                  }
+              },
+              zero_optimization={
+                  "stage": 2,
+                  "offload_param": {
+                      "device": "cpu"
+                  }
+              })
     assert "requires 'zero_optimization.stage' 3" in _every_rank(z2)

@@ -133,8 +133,11 @@ def _train(cell, folder, steps=2):
                 state = engine.module.state_dict()
                 values = {n: state[n].detach().clone() for n in names}
             masters = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
-            moments = {(n, k): safe_get_full_optimizer_state(params[n], k).clone()
-                       for n in names for k in STATE_KEYS[cell["optimizer"]]}
+            moments = {
+                (n, k): safe_get_full_optimizer_state(params[n], k).clone()
+                for n in names
+                for k in STATE_KEYS[cell["optimizer"]]
+            }
             trace.append(dict(losses=losses, values=values, masters=masters, moments=moments))
         for tier in tiers:
             stats = tier.store.stats
@@ -179,7 +182,11 @@ def cell_id(cell):
 
 
 def _cell(stage, optimizer, dtype, tiers="optimizer", overlap_comm=False, pipelined=True, accum=None):
-    cell = dict(stage=stage, optimizer=optimizer, dtype=dtype, tiers=tiers, overlap_comm=overlap_comm,
+    cell = dict(stage=stage,
+                optimizer=optimizer,
+                dtype=dtype,
+                tiers=tiers,
+                overlap_comm=overlap_comm,
                 pipelined=pipelined)
     if accum is not None:
         cell["accum"] = accum

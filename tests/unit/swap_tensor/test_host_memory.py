@@ -56,11 +56,33 @@ def _between_steps(folder):
         "sub_group_size": 16,
         "stage3_prefetch_bucket_size": 30,
         "stage3_param_persistence_threshold": 0,
-        "offload_optimizer": {"device": "nvme", "nvme_path": folder, "buffer_count": 3},
-        "offload_param": {"device": "nvme", "nvme_path": folder, "buffer_count": 2, "buffer_size": 16, "max_in_cpu": 0},
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": folder,
+            "buffer_count": 3
+        },
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": folder,
+            "buffer_count": 2,
+            "buffer_size": 16,
+            "max_in_cpu": 0
+        },
     }
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "bf16": {
+            "enabled": True
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-3
+            }
+        },
+        "zero_optimization": zero
+    }
     engine = deepspeed.initialize(model=model, config=cfg)[0]
     try:
         for micro in range(4):
