@@ -32,7 +32,6 @@ import torch
 from deepspeed.ops.adam import host_adam
 from deepspeed.runtime.swap_tensor.disk_tier import release_host_cache, EMPTY_FP32, DiskTier
 from deepspeed.runtime.swap_tensor.swap_folder import optimizer_folder
-from deepspeed.runtime.zero.transfers import pinned_empty
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 ADAM_FIELDS = {k: torch.float32 for k in MOMENTS}
@@ -118,13 +117,13 @@ class OptimizerStateSwap(DiskTier):
         if self.resident:
             return
         host_step, store = self.host_step, self.store
-        pin = self.config.pin_memory
         order = [p for indexes in self.table.group_pages[:len(self.numel)] for p in indexes]
         self.plan(order)
         values = []
         try:
             for g in range(len(self.numel)):
-                master = pinned_empty(self.numel[g], torch.float32, pin)
+                # pageable: resident masters are read and written on the host only (the next step writes them out)
+                master = torch.empty(self.numel[g], dtype=torch.float32)
                 moments = {k: torch.empty(self.numel[g], dtype=self.store.fields[k]) for k in sorted(self.on_disk[g])}
                 for page in self.table.group_pages[g]:
                     _, start, length = self.table.pages[page]
