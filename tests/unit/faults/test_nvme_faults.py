@@ -209,7 +209,8 @@ def _short_read(tmp):
     victim = swap.store._files[(0, "exp_avg")]
     with open(victim, "r+b") as f:
         f.truncate(4096)
-    _raises(lambda: _train(engine, 0, 1, 1), DiskTierError, "short read", victim, "offload_optimizer.nvme_path")
+    # the step reads in the background (one rank): the next forward, waiting for its pieces, raises
+    _raises(lambda: _train(engine, 0, 1, 2), DiskTierError, "short read", victim, "offload_optimizer.nvme_path")
     return True
 
 
