@@ -88,14 +88,15 @@ NOT_BUILT = (
         "(use_data_before_expert_parallelism)", "expert groups would be laid out expert-parallel first"),
     Row("checkpoint.use_node_local_storage", _enabled, "node-local checkpoint storage "
         "(checkpoint.use_node_local_storage)", "only global rank 0 writes the shared files"),
+    Row("sparse_gradients", _enabled, "sparse compression of dense embedding gradients (sparse_gradients)",
+        "remove the key: upstream 0.19 refuses it too, and an nn.Embedding(sparse=True) needs no flag"),
+    Row("graph_harvesting", _enabled, "graph harvesting (graph_harvesting)",
+        "remove the key (upstream 0.19 refuses it too)"),
+    Row("sparse_attention", _given, "the sparse attention ops (the 'sparse_attention' section)",
+        "remove the section (upstream 0.19 refuses it too)"),
 )
 
 NO_EFFECT = (
-    Row("sparse_gradients", _enabled, "sparse_gradients",
-        "embedding gradients are reduced dense, to the same values (upstream 0.19 refuses the key)"),
-    Row("graph_harvesting", _enabled, "graph_harvesting", "a speed option (upstream 0.19 refuses the key)"),
-    Row("sparse_attention", _given, "the 'sparse_attention' section",
-        "it configures sparse attention ops, which are not built (upstream 0.19 refuses the section)"),
     Row("datastates", _given, "the 'datastates' section",
         "checkpoints are written with torch.save, as upstream writes them without the datastates package"),
     Row("disable_python_gc", _enabled, "disable_python_gc", "Python's garbage collector keeps running"),

@@ -125,8 +125,7 @@ def _check_warmup_num_steps(warmup_num_steps):
 def _check_warmup_type(warmup_type):
     if warmup_type in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
         return warmup_type
-    logger.warning(f'Unknown warmup_type {warmup_type!r}; using {WARMUP_LOG_RATE!r}')
-    return WARMUP_LOG_RATE
+    raise ValueError(f'warmup_type must be {WARMUP_LOG_RATE!r} or {WARMUP_LINEAR_RATE!r}, got {warmup_type!r}')
 
 
 def _warmup_fraction(warmup_type, iteration, warmup_num_steps):

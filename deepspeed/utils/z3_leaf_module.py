@@ -147,7 +147,8 @@ def apply_zero_leaf_module_config(model: torch.nn.Module, leaf_cfg) -> List[torc
         modules, missing = set_z3_leaf_modules_by_name(model, leaf_cfg.names, raise_if_not_found=False)
         add(modules)
         if missing:
-            logger.warning(f"zero_optimization.leaf_module.names: no module named {missing}")
+            raise ValueError(f"zero_optimization.leaf_module.names: the model has no module named {missing} (names "
+                             f"are paths from named_modules(); use name_suffixes for a pattern)")
     if leaf_cfg.name_suffixes:
         modules, missing = set_z3_leaf_modules_by_suffix(model, leaf_cfg.name_suffixes, raise_if_not_found=False)
         add(modules)

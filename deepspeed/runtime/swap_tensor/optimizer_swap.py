@@ -1,16 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The optimizer tier: an offloaded step's fp32 masters and Adam moments on disk (``offload_optimizer.device: nvme``).
+"""The optimizer tier: an offloaded step's fp32 masters and optimizer state on disk (``offload_optimizer.device:
+nvme``).
 
-:class:`OptimizerStateSwap` belongs to a :class:`~deepspeed.runtime.zero.offload_step.HostStep` whose step is
-pipelined (``step_pipeline.py``: ``DeepSpeedCPUAdam`` on the host Adam op), on ZeRO 1, 2 and 3. Per param group it
-keeps three fields per page (``fp32``, ``exp_avg``, ``exp_avg_sq``) in ``{nvme_path}/zero_stage_3/optimizer/rank{r}/``;
-the window gradient partitions and the 16-bit targets stay in host memory, as with CPU offload.
+:class:`OptimizerStateSwap` belongs to a :class:`~deepspeed.runtime.zero.offload_step.HostStep`, on ZeRO 1, 2 and 3,
+whatever steps it. Per param group it keeps, per page, the ``fp32`` master and every per-element state tensor of the
+optimizer (``fields``: ``exp_avg`` and ``exp_avg_sq`` for Adam, ``exp_avg`` for Lion, ``exp_avg_sq`` for
+``DeepSpeedCPUAdagrad``..., found by ``paged_step.probe_state_fields``) in
+``{nvme_path}/zero_stage_3/optimizer/rank{r}/``; the window gradient partitions and the 16-bit targets stay in host
+memory, as with CPU offload. ``on_disk[g]``: the state fields group ``g`` has so far (none before its first step).
 
-The step (:meth:`step_range`, called by the pipeline for every page of every piece, in the pieces' order): the page
-is read (ahead: while the previous pages are stepped, the next ones are read into idle cache slots), stepped by the
-same host Adam op with the same scalars, and written back behind the step; its 16-bit values go to the piece's
-target as before. Before the first step the moments are not on disk: their fields are zero-filled, as the optimizer
-creates them (same bits). The step count stays in the optimizer's state (``state["step"]``, counted once per step).
+Two steps page it:
+
+* the pipelined step (``step_pipeline.py``: ``DeepSpeedCPUAdam`` on the host Adam op) calls :meth:`step_range` for
+  every page of every piece, in the pieces' order: the page is read (ahead: while the previous pages are stepped, the
+  next ones are read into idle cache slots), stepped by the same host Adam op with the same scalars, and written back
+  behind the step; its 16-bit values go to the piece's target as before. Before the first step the moments are not on
+  disk: their fields are zero-filled, as the optimizer creates them (same bits). The pages are the pieces' (``table``);
+* any other step (``paged_step.PagedStep``): the inner optimizer's own ``step()`` on each page in turn, the pages cut
+  on ``paged_step.grid_table``.
+
+The step count stays in the optimizer's state (``state["step"]``, counted once per step).
 
 Outside the step (the tier's :class:`~deepspeed.runtime.swap_tensor.disk_tier.DiskTier` contract) the masters'
 ``.data`` is an empty tensor and the optimizer state holds only ``step``; :meth:`swap_in` makes them whole host
@@ -21,28 +30,38 @@ the next pipelined step writes them out first (:meth:`swap_out`).
 import torch
 
 from deepspeed.ops.adam import host_adam
-from deepspeed.runtime.swap_tensor.disk_tier import EMPTY_FP32, DiskTier
+from deepspeed.runtime.swap_tensor.disk_tier import release_host_cache, EMPTY_FP32, DiskTier
 from deepspeed.runtime.swap_tensor.swap_folder import optimizer_folder
-from deepspeed.runtime.zero.transfers import pinned_empty
 
-FIELDS = {"fp32": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
 MOMENTS = ("exp_avg", "exp_avg_sq")
+ADAM_FIELDS = {k: torch.float32 for k in MOMENTS}
 
 
 class OptimizerStateSwap(DiskTier):
     """The fp32 masters and moments of ``host_step`` on disk (see the module docstring)."""
 
-    def __init__(self, host_step, table, config, rank):
-        """``table``: the pages of the masters' groups (ZeRO-3 may pass the parameter tier's table, one group more)."""
+    def __init__(self, host_step, table, config, rank, fields=None):
+        """``table``: the pages of the masters' groups (ZeRO-3 may pass the parameter tier's table, one group more);
+        ``fields``: ``{name: dtype}`` of the optimizer's per-element state (default: Adam's moments)."""
         groups = range(len(host_step.masters))
-        super().__init__(config, optimizer_folder(config.nvme_path, rank), table, FIELDS, groups=groups)
+        fields = dict(ADAM_FIELDS if fields is None else fields)
+        if "fp32" in fields:
+            raise ValueError("OptimizerStateSwap: 'fp32' names the masters' field, not an optimizer state")
+        super().__init__(config,
+                         optimizer_folder(config.nvme_path, rank),
+                         table, {
+                             "fp32": torch.float32,
+                             **fields
+                         },
+                         groups=groups)
+        self.keys = tuple(fields)
         self.host_step = host_step
         self.numel = [m.numel() for m in host_step.masters]
         if self.numel != table.group_numel[:len(self.numel)]:
             self.close()
             raise ValueError(f"OptimizerStateSwap: the page table covers {table.group_numel} elements per group, the "
                              f"masters hold {self.numel}")
-        self.moments_on_disk = [False] * len(self.numel)
+        self.on_disk = [frozenset()] * len(self.numel)
         self.swap_out()
 
     # ------------------------------------------------------------- residency
@@ -50,55 +69,62 @@ class OptimizerStateSwap(DiskTier):
         return self.host_step.optimizer.state.get(self.host_step.masters[g])
 
     def swap_out(self):
-        """Write the masters and moments to disk and drop their host tensors (a no-op when swapped)."""
+        """Write the masters and the per-element state to disk and drop their host tensors (a no-op when swapped)."""
         if not self.resident:
             return
         host_step, store = self.host_step, self.store
+        present = []
         try:
             for g, master in enumerate(host_step.masters):
                 state = self._state(g) or {}
-                moments = all(
-                    isinstance(state.get(k), torch.Tensor) and state[k].numel() == self.numel[g] for k in MOMENTS)
+                held = {
+                    k
+                    for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() == self.numel[g]
+                }
+                extra = held - set(self.keys)
+                if extra:
+                    raise ValueError(f"OptimizerStateSwap: the optimizer state of group {g} holds {sorted(extra)}, "
+                                     f"which the optimizer tier does not page (it pages {list(self.keys)})")
+                held &= set(self.keys)
                 for page in self.table.group_pages[g]:
                     _, start, length = self.table.pages[page]
                     out = store.acquire(page, read=False, modify=True)
                     try:
                         out.fields["fp32"].copy_(master.data.narrow(0, start, length))
-                        for k in MOMENTS:
-                            if moments:
+                        for k in self.keys:
+                            if k in held:
                                 out.fields[k].copy_(state[k].narrow(0, start, length))
                             else:
                                 out.fields[k].zero_()
                     finally:
                         store.release(page, dirty=True)
-                self.moments_on_disk[g] = moments
+                present.append(frozenset(held))
             store.flush()
         except Exception as error:
             raise self.failed(error, "writing the optimizer state") from error
         for g, master in enumerate(host_step.masters):
+            self.on_disk[g] = present[g]
             master.data = EMPTY_FP32
             state = self._state(g)
             if state is not None:
-                for k in MOMENTS:
+                for k in present[g]:
                     state.pop(k, None)
         self.resident = False
+        release_host_cache()
 
     def swap_in(self):
-        """Read the masters (and moments, once they exist) into host tensors again (a no-op when resident)."""
+        """Read the masters (and the state, once it exists) into host tensors again (a no-op when resident)."""
         if self.resident:
             return
         host_step, store = self.host_step, self.store
-        pin = self.config.pin_memory
         order = [p for indexes in self.table.group_pages[:len(self.numel)] for p in indexes]
         self.plan(order)
         values = []
         try:
             for g in range(len(self.numel)):
-                master = pinned_empty(self.numel[g], torch.float32, pin)
-                moments = {
-                    k: torch.empty(self.numel[g], dtype=torch.float32)
-                    for k in MOMENTS
-                } if self.moments_on_disk[g] else {}
+                # pageable: resident masters are read and written on the host only (the next step writes them out)
+                master = torch.empty(self.numel[g], dtype=torch.float32)
+                moments = {k: torch.empty(self.numel[g], dtype=self.store.fields[k]) for k in sorted(self.on_disk[g])}
                 for page in self.table.group_pages[g]:
                     _, start, length = self.table.pages[page]
                     view = self.acquire(page)
@@ -162,7 +188,7 @@ class OptimizerStateSwap(DiskTier):
         try:
             param = view.fields["fp32"].narrow(0, offset, length)
             moments = {k: view.fields[k].narrow(0, offset, length) for k in MOMENTS}
-            if not self.moments_on_disk[group]:
+            if not self.on_disk[group]:
                 for tensor in moments.values():
                     tensor.zero_()
             writes = out is not None and out.dtype != torch.float32
@@ -175,10 +201,10 @@ class OptimizerStateSwap(DiskTier):
             store.release(page, dirty=True)
 
     def finish_step(self, stepped):
-        """After every piece of a step of the groups ``stepped``: their moments are on disk from now on; wait for the
-        write-backs."""
+        """After every piece of a pipelined step of the groups ``stepped``: their moments are on disk from now on; wait
+        for the write-backs."""
         for g in stepped:
-            self.moments_on_disk[g] = True
+            self.on_disk[g] = frozenset(MOMENTS)
         try:
             self.store.flush()
         except Exception as error:

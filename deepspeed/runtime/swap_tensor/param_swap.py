@@ -25,7 +25,7 @@ refresh) writes them out again and puts empty tensors in their place.
 
 import torch
 
-from deepspeed.runtime.swap_tensor.disk_tier import DiskTier
+from deepspeed.runtime.swap_tensor.disk_tier import release_host_cache, DiskTier
 from deepspeed.runtime.swap_tensor.swap_folder import param_folder
 from deepspeed.runtime.zero.transfers import DONE, pinned
 
@@ -79,6 +79,7 @@ class ParamShardSwap(DiskTier):
             raise self.failed(error, "writing the parameter shards") from error
         self._point_at(None)
         self.resident = False
+        release_host_cache()
 
     def swap_in(self):
         """Read the shards into host tensors again and point ``ds_tensor`` at them (a no-op when resident)."""

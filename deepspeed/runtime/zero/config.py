@@ -185,8 +185,11 @@ class DeepSpeedZeroConfig(ConfigSection):
         offload_param = values.get("offload_param")
         if (offload_param is not None and offload_param.device != OffloadDeviceEnum.none
                 and stage != ZeroStageEnum.weights):
-            logger.warning(f"config key '{path}.offload_param' only takes effect with ZeRO stage 3 "
-                           f"(stage is {stage}); it is ignored")
+            raise DeepSpeedConfigError(f"config key '{path}.offload_param' (device "
+                                       f"'{getattr(offload_param.device, 'value', offload_param.device)}') requires "
+                                       f"'{path}.stage' 3, got stage {stage}: ZeRO stages 1 and 2 keep every "
+                                       f"parameter whole on each device. Remove the section or set its device to "
+                                       f"'none' (offload_optimizer offloads the optimizer state on stages 1-3)")
         return values
 
     @property

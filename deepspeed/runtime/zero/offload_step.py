@@ -37,13 +37,18 @@ import inspect
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.utils.logging import logger
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.device_share import DeviceShare
 from deepspeed.runtime.zero.host_worker import cores_for, threads
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.step_pipeline import StepPiece, StepPipeline
 from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned_empty
+
+# Why a step is not pipelined, for the errors of what needs it (``what``; ``instead``: the way out).
+NEEDS_PIPELINE = ("{what} needs the pipelined host step: DeepSpeedCPUAdam (optimizer type Adam or AdamW without "
+                  "\"torch_adam\") on the host Adam op (a C++ compiler, DS_NATIVE_CPU_ADAM not 0), a bf16/fp16 model "
+                  "(an fp32 one with DS_NATIVE_CPU_ADAM=1), no amsgrad, and DS_OFFLOAD_OVERLAP / DS_OFFLOAD_SYNC not "
+                  "set to turn it off; {instead} (docs/offload.md)")
 
 # Elements cast per chunk when the masters are cast into the targets after the step.
 CAST_CHUNK = 1 << 24
@@ -93,25 +98,59 @@ class HostStep:
         self._reading = DONE  # the last copy that reads the targets
         self.fresh = False  # the targets hold the masters' current values
         self.pipeline = StepPipeline(self) if StepPipeline.supported(self) else None
-        self.swap = None  # the optimizer tier (offload_optimizer.device nvme): masters and moments on disk
+        self.swap = None  # the optimizer tier (offload_optimizer.device nvme): masters and state on disk
         self.shard_tier = None  # ZeRO-3's parameter tier (offload_param.device nvme), when the targets are its shards
+        self._paged = None  # the whole-partition step range by range (``paged_step``), where a tier is on disk
+        self._pageable = None  # the optimizer's per-element state fields, once probed (None: not probed)
         if disk is not None:
-            if self.pipeline is None:
-                logger.warning(
-                    "offload_optimizer.device 'nvme' needs the pipelined host step (DeepSpeedCPUAdam on the "
-                    "host Adam op, a 16-bit model, DS_OFFLOAD_OVERLAP not 0): the optimizer state stays in "
-                    "host memory")
-            else:
-                from deepspeed.runtime.swap_tensor.optimizer_swap import OptimizerStateSwap
-                self.swap = OptimizerStateSwap(self, page_table, disk, rank)
+            self._attach_optimizer_tier(disk, page_table, rank)
         self.share = None  # partial offload: the ranges the device steps (``device_ranges``, DeviceShare)
         if device_ranges:
             if self.pipeline is None:
-                logger.warning("offload_optimizer.ratio < 1 needs the pipelined host step (DeepSpeedCPUAdam on the "
-                               "host Adam op, a 16-bit model, DS_OFFLOAD_OVERLAP not 0): the whole optimizer state "
-                               "stays on the host")
-            else:
-                self.share = DeviceShare(self, device_ranges, self.device)
+                self.close()
+                raise NotImplementedError(
+                    NEEDS_PIPELINE.format(what="zero_optimization.offload_optimizer.ratio < 1 "
+                                          "(partial offload)",
+                                          instead="set offload_optimizer.ratio to 1"))
+            self.share = DeviceShare(self, device_ranges, self.device)
+
+    def _attach_optimizer_tier(self, disk, page_table, rank):
+        """The optimizer tier on every path: paged by the pieces (``page_table``) for the pipelined step, on the
+        aligned grid of ``paged_step`` for the inner optimizer's own step; NotPageableError where that step is not
+        elementwise (``paged_step.probe_state_fields``)."""
+        from deepspeed.runtime.swap_tensor.optimizer_swap import MOMENTS, OptimizerStateSwap
+        from deepspeed.runtime.swap_tensor.paged_step import PagedStep, grid_table
+        fields = self.pageable_fields()
+        if self.pipeline is not None:
+            if set(fields) != set(MOMENTS):
+                raise ValueError(f"HostStep: the pipelined step pages Adam's moments, the optimizer keeps {fields}")
+            table = page_table
+        else:
+            table = grid_table(self.group_numel, disk.page_numel)
+        self.swap = OptimizerStateSwap(self, table, disk, rank, fields)
+        self._paged = PagedStep(self)
+
+    def pageable_fields(self):
+        """The inner optimizer's per-element state fields (``paged_step.probe_state_fields``: NotPageableError where
+        its step is not elementwise)."""
+        if self._pageable is None:
+            from deepspeed.runtime.swap_tensor.paged_step import probe_state_fields
+            self._pageable = probe_state_fields(self.optimizer, self.model_dtype, self._fused_copy)
+        return self._pageable
+
+    def attach_shard_tier(self, tier):
+        """ZeRO-3's parameter tier holds this step's targets (the 16-bit shards) while swapped: a step that is not
+        pipelined writes them range by range (on the optimizer tier's pages, or on an aligned grid of the
+        parameter tier's page size; whole groups where the optimizer is not elementwise)."""
+        from deepspeed.runtime.swap_tensor.paged_step import NotPageableError, PagedStep, grid_table
+        self.shard_tier = tier
+        if self._paged is None:
+            try:
+                self.pageable_fields()
+                page = tier.config.page_numel
+            except NotPageableError:
+                page = max(self.group_numel + [1])
+            self._paged = PagedStep(self, grid_table(self.group_numel, page))
 
     def _states(self):
         return {g: self.optimizer.state[m] for g, m in enumerate(self.masters) if self.optimizer.state.get(m)}
@@ -207,7 +246,13 @@ class HostStep:
             return
         if grad_scale != 1.0:
             raise ValueError("HostStep.step: a gradient scale needs the pipelined step (fuses_clip)")
-        if self.swap is not None:  # another optimizer steps the whole partition: it reads the host tensors
+        on_disk = self.swap is not None or (self.shard_tier is not None and not self.shard_tier.resident)
+        if on_disk and optimizer is self.optimizer:  # the state or the targets on disk: stepped range by range
+            with ds_range("DS::host_step"), threads(threads_n or self.threads):
+                self._paged.run(optimizer)
+            self.fresh = True
+            return
+        if self.swap is not None:  # another optimizer (a snapshot) steps the whole partition: the host tensors
             self.swap.swap_in()
         with ds_range("DS::host_step"), threads(threads_n or self.threads):
             if self._fused_copy:

@@ -19,6 +19,20 @@ def master_partition(values, grad, pin_memory):
     return master
 
 
+def attach_grad(master, grad):
+    """``master.grad = grad`` (the partition's size), also while a disk tier keeps ``master.data`` empty: torch checks
+    a gradient's size against the data it is assigned to, not the data against an existing gradient."""
+    if grad is None or master.data.shape == grad.shape:
+        master.grad = grad
+        return
+    data = master.data
+    master.data = torch.empty(1, dtype=data.dtype, device=grad.device).expand(grad.shape)
+    try:
+        master.grad = grad
+    finally:
+        master.data = data
+
+
 def point_optimizer_at(inner, masters, nonempty):
     """Make param group ``g`` of ``inner`` step ``masters[g]`` (the group dicts themselves are kept)."""
     for g, param_group in enumerate(inner.param_groups):

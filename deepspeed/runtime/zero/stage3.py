@@ -33,7 +33,6 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.zenflow.stage_io import UnitIO
 from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
-from deepspeed.utils.logging import logger
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.checkpoint_stage3 import Stage3Checkpoint
 from deepspeed.runtime.zero.device_share import device_ranges
@@ -44,7 +43,8 @@ from deepspeed.runtime.zero.parameter_units import UnitCoordinator, build_units
 from deepspeed.runtime.zero.partition_layout import UnitPartitionLayout
 from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zero_param, partition_param,
                                                          write_shard_from_full)
-from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
+from deepspeed.runtime.zero.partitioned_step import (PartitionedOptimizerState, attach_grad, master_partition,
+                                                     point_optimizer_at)
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import UnitGeometry
 from deepspeed.runtime.zero.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
@@ -123,7 +123,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         self.masters = []
         for g in range(num_groups):
             values = self.shards[g].to(self.part_device, torch.float32, copy=True)
-            self.masters.append(master_partition(values, geometry.grad_parts[g], config.pin_memory))
+            self.masters.append(master_partition(values, geometry.grad_parts[g], config.pin_masters))
         point_optimizer_at(optimizer, self.masters, layout.group_part_numel)
         install_matrix_step(self, lambda muon_groups: stage3_blocks(layout, muon_groups))
         # Where masters live beside the parameters' device, gathers read the fp32 masters and
@@ -196,16 +196,11 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         # NVMe parameter offload (``param_swap.py``): the 16-bit shards go to disk, gathers read them page by page.
         self.param_tier = None
         if config.param_swap is not None:
-            if self.host_step is not None and self.host_step.pipeline is None:
-                logger.warning("offload_param.device 'nvme' needs the pipelined host step (DeepSpeedCPUAdam on the "
-                               "host Adam op, a 16-bit model, DS_OFFLOAD_OVERLAP not 0): the parameter shards stay "
-                               "in host memory")
-            else:
-                from deepspeed.runtime.swap_tensor.param_swap import ParamShardSwap
-                self.param_tier = ParamShardSwap(self, self._page_table(), config.param_swap, global_rank())
-                if self.host_step is not None:
-                    self.host_step.shard_tier = self.param_tier
-                self.param_tier.swap_out()
+            from deepspeed.runtime.swap_tensor.param_swap import ParamShardSwap
+            self.param_tier = ParamShardSwap(self, self._page_table(), config.param_swap, global_rank())
+            if self.host_step is not None:
+                self.host_step.attach_shard_tier(self.param_tier)
+            self.param_tier.swap_out()
 
     def _zeropp(self, zeropp, group, world):
         """ZeRO++ (``zeropp.py``): ``(gradient transport, unit fetch plan)``. The node axis (a mesh axis, built by
@@ -315,7 +310,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             attached = self.config.accum_dtype != torch.float32
             if attached:
                 for master, part in zip(self.masters, self.grad_parts):
-                    master.grad = part.to(torch.float32)
+                    attach_grad(master, part.to(torch.float32))
             if self.host_step is not None:
                 self.host_step.step(before_write=self.fetch if self._host_shards else None,
                                     grad_scale=self._take_grad_scale())

@@ -34,7 +34,8 @@ from deepspeed.runtime.zero.matrix_step import install_matrix_step, stage12_bloc
 from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.piece_waits import PieceWaits
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
-from deepspeed.runtime.zero.partitioned_step import PartitionedOptimizerState, master_partition, point_optimizer_at
+from deepspeed.runtime.zero.partitioned_step import (PartitionedOptimizerState, attach_grad, master_partition,
+                                                     point_optimizer_at)
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import PartitionGeometry
 from deepspeed.runtime.zero.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
@@ -90,7 +91,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
             for bucket in layout.buckets:
                 if bucket.group == g:
                     layout.bucket_part(master, bucket).copy_(layout.bucket_own_chunk_full(self.flat_params, bucket))
-            self.masters.append(master_partition(master, geometry.grad_parts[g], config.pin_memory))
+            self.masters.append(master_partition(master, geometry.grad_parts[g], config.pin_masters))
         point_optimizer_at(optimizer, self.masters, [bool(g) for g in groups])
         install_matrix_step(self, lambda muon_groups: stage12_blocks(layout, muon_groups), self.reduction.dense)
         self.host_step = None
@@ -182,7 +183,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         if self.config.accum_dtype == torch.float32:
             return False
         for master, part in zip(self.masters, self.grad_parts):
-            master.grad = part.to(torch.float32)
+            attach_grad(master, part.to(torch.float32))
         return True
 
     def _masters_current(self):

@@ -46,6 +46,12 @@ class StageConfig:
     muon_momentum_on_device: bool = False  # save_muon_momentum_buffer_in_memory: Muon momentum beside the model
     zeropp: ZeroPP = ZeroPP()  # stage 3: ZeRO++ (hpZ, qwZ, qgZ; zeropp.py)
 
+    @property
+    def pin_masters(self):
+        """Whether the fp32 masters are built page-locked: ``pin_memory``, unless the optimizer tier takes them to
+        disk at once (pinned, their freed blocks would stay cached, locked, in torch's host allocator)."""
+        return self.pin_memory and self.optimizer_swap is None
+
     @classmethod
     def from_ds_config(cls, cfg, model_dtype):
         """The stage config of a parsed DeepSpeed config; NotImplementedError for what is not supported."""

@@ -204,11 +204,13 @@ def _short_read(tmp):
     engine = _engine(_config(stage=1, path=tmp))
     _train(engine, 0, 0, 1)
     swap = engine.optimizer.stage.host_step.swap
+    engine.optimizer.stage.host_step.finish()  # on one rank the step may still run on the host worker
     swap.store.drop_cache()  # the next step reads every page from the file
     victim = swap.store._files[(0, "exp_avg")]
     with open(victim, "r+b") as f:
         f.truncate(4096)
-    _raises(lambda: _train(engine, 0, 1, 1), DiskTierError, "short read", victim, "offload_optimizer.nvme_path")
+    # the step reads in the background (one rank): the next forward, waiting for its pieces, raises
+    _raises(lambda: _train(engine, 0, 1, 2), DiskTierError, "short read", victim, "offload_optimizer.nvme_path")
     return True
 
 

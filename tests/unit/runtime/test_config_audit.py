@@ -42,12 +42,12 @@ REFUSED = {
                                            {"use_data_before_expert_parallelism": False}),
     "checkpoint.use_node_local_storage": ({"checkpoint": {"use_node_local_storage": True}},
                                           {"checkpoint": {"use_node_local_storage": False}}),
+    "sparse_gradients": ({"sparse_gradients": True}, {"sparse_gradients": False}),
+    "graph_harvesting": ({"graph_harvesting": True}, {"graph_harvesting": False}),
+    "sparse_attention": ({"sparse_attention": {"mode": "fixed"}}, {"sparse_attention": {}}),
 }  # yapf: disable
 
 NO_EFFECT = {
-    "sparse_gradients": {"sparse_gradients": True},
-    "graph_harvesting": {"graph_harvesting": True},
-    "sparse_attention": {"sparse_attention": {"mode": "fixed"}},
     "datastates": {"datastates": {"enabled": True}},
     "disable_python_gc": {"disable_python_gc": True},
     "dump_state": {"dump_state": True},
