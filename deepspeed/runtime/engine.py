@@ -29,6 +29,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.instrumentation import EngineInstrumentation
 from deepspeed.runtime.optimizer_factory import build_optimizer, check_client_offload_optimizer
+from deepspeed.runtime.precision.low_precision_masters import cpu_adam_params
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
 from deepspeed.runtime.precision import module_cast
 from deepspeed.runtime.precision.overflow import report_skipped_step
@@ -218,11 +219,15 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                 return None
             if self.mesh.description.expert_parallel_sizes:  # experts in param groups of their own, as upstream
                 params = configure_moe_param_groups(list(params))
+            cpu_optimizer = self._offload_optimizer_device() in ("cpu", "nvme")
+            optimizer_params = dict(cfg.optimizer_params or {})
+            if cpu_optimizer:  # bf16.bf16_optimizer_states: the host Adam keeps bf16 moments
+                optimizer_params = cpu_adam_params(cfg, cfg.optimizer_name, optimizer_params)
             return build_optimizer(cfg.optimizer_name,
                                    params,
-                                   dict(cfg.optimizer_params or {}),
+                                   optimizer_params,
                                    self.device.type,
-                                   cpu_optimizer=self._offload_optimizer_device() in ("cpu", "nvme"))
+                                   cpu_optimizer=cpu_optimizer)
         if isinstance(client_optimizer, torch.optim.Optimizer):
             built = client_optimizer
         elif callable(client_optimizer):

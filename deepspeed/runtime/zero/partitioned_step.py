@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""fp32 master partitions and the optimizer pointed at them, shared by ZeRO stages 1, 2 and 3."""
+"""Master partitions (fp32, or 16-bit with ``*_master_weights_and_grads``) and the optimizer pointed at them, shared
+by ZeRO stages 1, 2 and 3."""
 
 import torch
 
@@ -7,15 +8,27 @@ from deepspeed.runtime.zero.transfers import pinned
 
 
 def master_partition(values, grad, pin_memory):
-    """An fp32 master partition (an optimizer parameter) holding ``values``.
+    """A master partition (an optimizer parameter) holding ``values``, in their dtype.
 
-    Its ``.grad`` is ``grad`` (the window gradient partition) when that is float32; with a
-    lower-precision window the stage attaches a float32 copy for each step instead.
+    Its ``.grad`` is ``grad`` (the window gradient partition) when that has the master's dtype;
+    otherwise the stage attaches a copy in the master's dtype for each step (:func:`attach_step_grads`).
     """
     master = torch.nn.Parameter(pinned(values, pin_memory))
-    if grad.dtype == torch.float32:
+    if grad.dtype == master.dtype:
         master.grad = grad
     return master
+
+
+def attach_step_grads(masters, grad_parts):
+    """Give each master whose window gradient has another dtype a gradient in its own dtype for this step (the
+    window gradient rounded once); returns the masters it attached to (the stage drops their ``.grad`` after the
+    step)."""
+    attached = []
+    for master, part in zip(masters, grad_parts):
+        if part.dtype != master.dtype:
+            master.grad = part.to(master.dtype)
+            attached.append(master)
+    return attached
 
 
 def point_optimizer_at(inner, masters, nonempty):
