@@ -28,6 +28,7 @@ from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.instrumentation import EngineInstrumentation
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from deepspeed.runtime.optimizer_factory import build_optimizer, check_client_offload_optimizer
 from deepspeed.runtime.precision.low_precision_masters import cpu_adam_params
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
@@ -106,6 +107,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.seq_dp_world_size = self.mesh.description.sequence_data_parallel_size
         self.mp_world_size = self.mesh.description.model_parallel_size
         self.data_parallel_group = engine_mesh.dense_group(self.mesh)  # None: the default group
+        ds_checkpointing.configure_from_engine(cfg, mpu)  # the activation_checkpointing section, if given
         self._reduction_plan = engine_mesh.reduction_plan(self.mesh)
         if autoep_config is not None:  # the model's sparse blocks get this rank's experts, grouped
             model_parameters = autoep.install_autoep(autoep_config, model, optimizer, model_parameters)
