@@ -32,6 +32,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from deepspeed.runtime.optimizer_factory import build_optimizer, check_client_offload_optimizer
 from deepspeed.runtime.precision.low_precision_masters import cpu_adam_params
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
+from deepspeed.runtime.keep_in_fp32 import keep_in_fp32_pattern
 from deepspeed.runtime.precision import module_cast
 from deepspeed.runtime.precision.overflow import report_skipped_step
 from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
@@ -185,7 +186,10 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if not dont_change_device:
             model.to(self.device)
         if self._dtype != torch.float32:  # fp32 training casts nothing, buffer_dtype included (as upstream)
-            self._cast_module_mixed_precision(*self._mixed_precision_dtypes(), is_zero_init_model=False)
+            keep_pattern = keep_in_fp32_pattern(model, cfg.keep_in_fp32_modules, self._dtype)
+            self._cast_module_mixed_precision(*self._mixed_precision_dtypes(),
+                                              is_zero_init_model=False,
+                                              keep_pattern=keep_pattern)
         self._broadcast_model()
 
     # Upstream's names for the precision cast (runtime/precision/module_cast.py); tests call them on stand-ins.
