@@ -5,9 +5,10 @@
 By default a ZeRO stage keeps an fp32 master partition of the 16-bit model and the optimizer's state in the
 masters' dtype: 4 + 8 bytes a parameter with Adam. With these keys the masters are kept in the model's 16-bit
 dtype (2 bytes) and, with ``bf16_optimizer_states``, the optimizer state too (4 bytes for Adam's two moments):
-about 6 bytes a parameter less. The step is then the one a plain torch optimizer takes on 16-bit parameters: the
-window gradient (accumulated and reduced in ``data_types.grad_accum_dtype``, fp32 by default) is rounded to the
-masters' dtype for the step, and the optimizer updates the 16-bit masters in place.
+about 6 bytes a parameter less. The gradients ("and_grads") are accumulated, reduced and stepped in that dtype too
+(2 bytes less again), unless ``data_types.grad_accum_dtype`` names another (then the window gradient is rounded to
+the masters' dtype for each step). The step is the one a plain torch optimizer takes on 16-bit parameters: the
+optimizer updates the 16-bit masters in place.
 
 Upstream's rules, checked when the engine is built (every rank, the same answer):
 

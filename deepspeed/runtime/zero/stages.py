@@ -71,7 +71,9 @@ class StageConfig:
         masters = master_dtype(cfg) if stage > 0 else torch.float32
         return cls(stage=stage,
                    model_dtype=model_dtype,
-                   accum_dtype=cfg.grad_accum_dtype or torch.float32,
+                   # *_master_weights_and_grads: the window gradient takes the masters' dtype too, unless
+                   # data_types.grad_accum_dtype names one
+                   accum_dtype=cfg.grad_accum_dtype or masters,
                    master_dtype=masters,
                    states_16bit=bool(cfg.bf16_optimizer_states) and masters != torch.float32,
                    comm_dtype=cfg.communication_data_type,

@@ -40,7 +40,7 @@ def _optimizer(kind, params):
         return DeepSpeedCPUAdam(params, fp32_optimizer_states=False, **LR)
     if kind == "cpu_adam":
         return DeepSpeedCPUAdam(params, **LR)
-    return torch.optim.AdamW(params, foreach=False, **LR)
+    return torch.optim.AdamW(params, foreach=False, **LR)  # "torch", "torch_fp32_window"
 
 
 def _train(stage, precision, offload, kind, seed):
@@ -55,11 +55,13 @@ def _train(stage, precision, offload, kind, seed):
     zero = {"stage": stage, "reduce_bucket_size": 16}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    data_types = {"grad_accum_dtype": "fp32"} if kind == "torch_fp32_window" else {}
     config = {
         "train_micro_batch_size_per_gpu": 3,
         "gradient_clipping": 0.0,
         precision: section,
-        "zero_optimization": zero
+        "zero_optimization": zero,
+        "data_types": data_types
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(kind, model.parameters()), config=config)
 
@@ -108,8 +110,9 @@ def _train(stage, precision, offload, kind, seed):
                 nbytes += value.numel() * value.element_size()
                 state_dtypes.add(value.dtype)
     master_dtypes = {m.dtype for m in stage_obj.masters}
+    grad_dtypes = {g.dtype for g in stage_obj.grad_parts}
     engine.destroy()
-    return mismatches, nbytes / max(numel, 1), master_dtypes, state_dtypes
+    return mismatches, nbytes / max(numel, 1), master_dtypes, state_dtypes, grad_dtypes
 
 
 # (stage, precision, offload, optimizer, bytes per parameter of masters + Adam state; fp32 masters and state: 12)
@@ -117,6 +120,7 @@ CASES = [
     (1, "bf16", False, "torch", 6.0),
     (2, "bf16", False, "torch", 6.0),
     (3, "bf16", False, "torch", 6.0),
+    (2, "bf16", False, "torch_fp32_window", 6.0),  # an fp32 window gradient, rounded to bf16 for each step
     (2, "bf16", True, "cpu_adam_16", 6.0),
     (3, "bf16", True, "cpu_adam", 10.0),  # bf16 masters, fp32 moments (DeepSpeedCPUAdam's default)
     (1, "fp16", True, "cpu_adam", 10.0),
@@ -128,9 +132,10 @@ def test_step_equals_16bit_reference(stage, precision, offload, kind, per_param)
     seed = 100 + stage * 10 + len(kind)
     results = run_distributed(_train, 2, args=(stage, precision, offload, kind, seed), timeout=120)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    for mismatches, bytes_per_param, master_dtypes, state_dtypes in results:
+    for mismatches, bytes_per_param, master_dtypes, state_dtypes, grad_dtypes in results:
         assert mismatches == []
         assert master_dtypes == {dtype}
+        assert grad_dtypes == ({torch.float32} if kind == "torch_fp32_window" else {dtype})  # "and_grads"
         assert state_dtypes == ({dtype} if per_param == 6.0 else {torch.float32})
         assert bytes_per_param == per_param
 
