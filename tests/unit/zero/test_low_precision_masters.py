@@ -204,3 +204,53 @@ def test_optimizer_rules():
     check_optimizer(on_device, adamw)
     with pytest.raises(DeepSpeedConfigError, match="fp32_optimizer_states=True"):
         check_optimizer(on_device, _cpu_adam(True))
+
+
+def _resume(stage, path, seed):
+    import deepspeed
+    config = {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_clipping": 1.0,
+        "bf16": {
+            "enabled": True,
+            "bf16_master_weights_and_grads": True,
+            "bf16_optimizer_states": True
+        },
+        "zero_optimization": {
+            "stage": stage
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": LR
+        }
+    }
+    gen = torch.Generator().manual_seed(seed)
+    batches = [torch.randn(3, 7, generator=gen).bfloat16() for _ in range(3)]
+
+    def train(engine, xs):
+        for x in xs:
+            engine.backward(engine(x).float().pow(2).sum())
+            engine.step()
+        return [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+
+    engine, _, _, _ = deepspeed.initialize(model=_model(seed, torch.bfloat16), config=config)
+    train(engine, batches[:2])
+    engine.save_checkpoint(path, tag="t")
+    expected = train(engine, batches[2:])
+    engine.destroy()
+    other = _model(seed, torch.bfloat16)  # the same shapes, other values: the load must bring them back
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    engine, _, _, _ = deepspeed.initialize(model=other, config=config)
+    engine.load_checkpoint(path, tag="t")
+    masters = {m.dtype for m in engine._stage.masters}
+    actual = train(engine, batches[2:])
+    engine.destroy()
+    return all(torch.equal(a, e) for a, e in zip(actual, expected)), masters
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_round_trip(stage, tmp_path):
+    for same, masters in run_distributed(_resume, 2, args=(stage, str(tmp_path), 40 + stage), timeout=120):
+        assert same and masters == {torch.bfloat16}
