@@ -68,6 +68,7 @@ _configured = False
 _mpu = None
 _options = _default_options()
 _store = InputStore()  # where checkpoints keep their inputs (configure() replaces it)
+_configured_by_engine = False  # the options came from deepspeed.initialize, not from a configure() call
 _timers = None
 
 
@@ -351,6 +352,12 @@ def configure(mpu_=None,
     _options = options
     _rebuild_store()
     _configured = True
+    _set_by_engine(False)
+
+
+def _set_by_engine(value):
+    global _configured_by_engine
+    _configured_by_engine = value
 
 
 def _partition_group():
@@ -378,11 +385,12 @@ def get_input_store():
 
 def configure_from_engine(ds_config, mpu_=None):
     """``deepspeed.initialize``: apply the config's ``activation_checkpointing`` section when the user gave one and
-    :func:`configure` was not called before (an explicit call wins, as it does when it comes after). The
+    did not call :func:`configure` before (an explicit call wins, as it does when it comes after; a later engine's
+    section replaces an earlier engine's). The
     model-parallel unit is ``mpu_``, else the engine's mesh (``deepspeed.utils.groups``) when it has a
     tensor-parallel axis."""
     param_dict = getattr(ds_config, "_param_dict", None) or {}
-    if _configured or "activation_checkpointing" not in param_dict:
+    if (_configured and not _configured_by_engine) or "activation_checkpointing" not in param_dict:
         return
     if mpu_ is None:
         from deepspeed.utils import groups
@@ -392,6 +400,7 @@ def configure_from_engine(ds_config, mpu_=None):
         except (AssertionError, RuntimeError):  # no mesh with a tensor axis
             mpu_ = None
     configure(mpu_, deepspeed_config=ds_config)
+    _set_by_engine(True)
 
 
 def is_configured():

@@ -242,11 +242,14 @@ def _through_initialize(seed):
     _forward(reference, x, _torch_reentrant).square().sum().backward()
     equal = all(torch.equal(a, b.grad) for a, b in zip(grads, reference.parameters()))
     engine.destroy()
-    ckpt.configure(None)
+    ckpt.configure(None)  # an explicit configure() wins over a later engine's section
+    engine, _, _, _ = deepspeed.initialize(model=Model(_layers(seed, 3, 4)), config=config)
+    explicit_kept = not ckpt.get_config()["checkpoint_in_cpu"]
+    engine.destroy()
     ckpt._configured = False
-    return configured, offloaded, equal
+    return configured, offloaded, equal, explicit_kept
 
 
 def test_config_section_through_initialize():
-    (configured, offloaded, equal), = run_distributed(_through_initialize, 1, args=(21, ), timeout=120)
-    assert configured and offloaded == 2 and equal
+    (configured, offloaded, equal, explicit_kept), = run_distributed(_through_initialize, 1, args=(21, ), timeout=120)
+    assert configured and offloaded == 2 and equal and explicit_kept
