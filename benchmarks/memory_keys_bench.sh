@@ -7,6 +7,8 @@
 #
 #   bash benchmarks/memory_keys_bench.sh            # from the repository root; about 3 minutes on one H100
 #
+# First the GPU check of the asynchronous cpu_checkpointing path (tests/gpu/test_checkpoint_offload.py, seconds).
+#
 # Upstream's wheels come from .whl-upstream/ (installed into /tmp/upstream). Results: $OUT (default
 # /tmp/memory_keys_bench): ours.jsonl, upstream.jsonl, memory_keys.md (printed at the end), log.txt.
 # BENCH_EXTRA: more options for every run (e.g. "--tiny --cpu" for a dry run of the script on a host without GPU).
@@ -20,6 +22,8 @@ export PYTHONUNBUFFERED=1
 # shellcheck disable=SC2206
 EXTRA=(${BENCH_EXTRA:-})
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream .whl-upstream/*.whl >>"$LOG" 2>&1
+# the asynchronous offload path on the GPU: bitwise gradients, inputs freed (tests/gpu/test_checkpoint_offload.py)
+timeout "${T_TESTS:-60}" python3 -m tests.gpu.test_checkpoint_offload 2>&1 | tee -a "$LOG" | tail -n 3
 for case in baseline cpu_ckpt bf16_masters; do
     timeout "${T_RUN:-60}" python3 benchmarks/memory_keys_bench.py --case "$case" --out "$DIR/ours.jsonl" "${EXTRA[@]}" \
         >>"$LOG" 2>&1 || echo "ours $case failed (rc $?), see $LOG"
