@@ -111,10 +111,10 @@ class InputStore:
         self.num_checkpoints = num_checkpoints
         self.keep_last = int(keep_last)
         self.stats = InputStoreStats()
-        accelerator = get_accelerator()
+        # the side stream of the asynchronous copies (cpu_checkpointing alone, an accelerator with streams), made on
+        # first use so that it belongs to the device the inputs are on
+        self._streams = self.cpu and not self.partition and not get_accelerator().is_synchronized_device()
         self._stream = None
-        if self.cpu and not self.partition and not accelerator.is_synchronized_device():
-            self._stream = accelerator.Stream()
         self._pool = {}  # (numel, dtype) -> free host buffers
         self._returning = []  # (key, buffer, event): buffers whose last copy back may still read them
         self._kept = []  # handles still on the device, oldest first (at most keep_last)
@@ -233,12 +233,21 @@ class InputStore:
             buffer = get_accelerator().pin_memory(buffer)
         return buffer
 
+    def _side_stream(self, device):
+        if self._streams and self._stream is None:
+            self._stream = get_accelerator().Stream(device=device)
+        return self._stream
+
+    def _compute_stream(self, device):
+        return get_accelerator().current_stream(device.index)
+
     def _start_offload(self, handle):
         tensor = handle.tensor
+        self._side_stream(tensor.device)
         host = self._host_buffer(tensor.numel(), tensor.dtype)
         accelerator = get_accelerator()
         if self._stream is not None:
-            self._stream.wait_stream(accelerator.current_stream())
+            self._stream.wait_stream(self._compute_stream(tensor.device))
             with accelerator.stream(self._stream):
                 host.view(tensor.size()).copy_(tensor, non_blocking=True)
                 handle.event = accelerator.Event()
@@ -279,7 +288,7 @@ class InputStore:
         if self._stream is None:
             out.copy_(handle.host.view(handle.size))
             return out, None
-        self._stream.wait_stream(accelerator.current_stream())  # ``out``'s memory may have been in use until now
+        self._stream.wait_stream(self._compute_stream(handle.device))  # ``out``'s memory may have been in use
         with accelerator.stream(self._stream):
             out.copy_(handle.host.view(handle.size), non_blocking=True)
             event = accelerator.Event()
@@ -289,6 +298,7 @@ class InputStore:
 
     def _restore(self, handle):
         if handle.tensor is not None:  # still on the device (one of the last inputs)
+            self._prefetch_before(handle)
             return handle.tensor
         if handle.prefetched is not None:
             out, event = handle.prefetched
@@ -296,7 +306,7 @@ class InputStore:
         else:
             out, event = self._copy_back(handle)
         if event is not None:
-            get_accelerator().current_stream().wait_event(event)
+            self._compute_stream(handle.device).wait_event(event)
         self.stats.restored += 1
         self._prefetch_before(handle)
         return out
