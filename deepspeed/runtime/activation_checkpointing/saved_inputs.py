@@ -72,6 +72,12 @@ def _like(flat, size, stride, device):
     return out
 
 
+def _record_stream(tensor, stream):
+    """Tell the allocator that ``stream`` uses ``tensor`` (a device tensor; host memory has no streams)."""
+    if tensor.device.type != "cpu":
+        tensor.record_stream(stream)
+
+
 class _Offloaded:
     """A checkpoint input on its way to, or in, host memory (``cpu_checkpointing`` alone)."""
 
@@ -252,7 +258,7 @@ class InputStore:
                 host.view(tensor.size()).copy_(tensor, non_blocking=True)
                 handle.event = accelerator.Event()
                 handle.event.record(self._stream)
-            tensor.record_stream(self._stream)  # its memory is reused only after the copy
+            _record_stream(tensor, self._stream)  # its memory is reused only after the copy
         else:
             host.view(tensor.size()).copy_(tensor)
         handle.host = host
@@ -293,7 +299,7 @@ class InputStore:
             out.copy_(handle.host.view(handle.size), non_blocking=True)
             event = accelerator.Event()
             event.record(self._stream)
-        out.record_stream(self._stream)
+        _record_stream(out, self._stream)
         return out, event
 
     def _restore(self, handle):

@@ -253,3 +253,81 @@ def _through_initialize(seed):
 def test_config_section_through_initialize():
     (configured, offloaded, equal, explicit_kept), = run_distributed(_through_initialize, 1, args=(21, ), timeout=120)
     assert configured and offloaded == 2 and equal and explicit_kept
+
+
+class _FakeStream:
+    """Stands in for a device stream on the host: work is done at once, so every wait is already satisfied."""
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        event.waited = True
+
+    def synchronize(self):
+        pass
+
+
+class _FakeEvent:
+
+    def __init__(self):
+        self.waited = False
+
+    def record(self, stream):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+class _StreamAccelerator:
+    """An accelerator with streams whose device memory is the host's: runs the asynchronous path's logic."""
+
+    def __init__(self):
+        self.events = []
+
+    def is_synchronized_device(self):
+        return False
+
+    def Stream(self, device=None):
+        return _FakeStream()
+
+    def stream(self, stream):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def current_stream(self, device_index=None):
+        return _FakeStream()
+
+    def Event(self):
+        event = _FakeEvent()
+        self.events.append(event)
+        return event
+
+    def pin_memory(self, tensor):
+        return tensor
+
+
+@pytest.mark.parametrize("wrap", [_ours, _ours_non_reentrant], ids=["reentrant", "non_reentrant"])
+def test_asynchronous_path_logic(monkeypatch, wrap):
+    """The side-stream path (copies recorded by events, the previous input prefetched in backward, host buffers
+    pooled across steps) on a stand-in accelerator: bitwise gradients, every offloaded input prefetched but the
+    first one restored, buffers reused by the second step."""
+    accelerator = _StreamAccelerator()
+    monkeypatch.setattr(saved_inputs, "get_accelerator", lambda: accelerator)
+    monkeypatch.setattr(saved_inputs, "needs_offload", lambda tensor: True)
+    count = 6
+    ckpt.configure(None, checkpoint_in_cpu=True)
+    store = ckpt.get_input_store()
+    for _ in range(2):
+        equal, _ = _compare(wrap, 13, count, 5, 3)
+        assert equal
+    # offloaded: the inputs of layers 0..count-2; the kept last one prefetches layer count-2's, each restore the one
+    # before it, so all but none are copied back ahead of their use
+    assert store.stats.offloaded == 2 * (count - 1) and store.stats.restored == 2 * (count - 1)
+    assert store.stats.prefetched == 2 * (count - 1)
+    pooled = sum(len(buffers) for buffers in store._pool.values()) + len(store._returning)
+    assert 0 < pooled <= count - 1  # the second step took the first step's buffers from the pool
