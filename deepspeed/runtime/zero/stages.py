@@ -68,11 +68,11 @@ class StageConfig:
             raise NotImplementedError("zero_optimization.offload_optimizer.super_offload (speculative steps) on ZeRO "
                                       "stage 3 needs offload_optimizer.ratio 1 (no device share); see docs/offload.md")
         param_section = zero.offload_param if offload_param == "cpu" else None
+        # *_master_weights_and_grads: the window gradient takes the masters' dtype too, unless
+        # data_types.grad_accum_dtype names one
         masters = master_dtype(cfg) if stage > 0 else torch.float32
         return cls(stage=stage,
                    model_dtype=model_dtype,
-                   # *_master_weights_and_grads: the window gradient takes the masters' dtype too, unless
-                   # data_types.grad_accum_dtype names one
                    accum_dtype=cfg.grad_accum_dtype or masters,
                    master_dtype=masters,
                    states_16bit=bool(cfg.bf16_optimizer_states) and masters != torch.float32,
