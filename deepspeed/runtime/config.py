@@ -16,7 +16,7 @@ import dataclasses
 import inspect
 import json
 import math
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -207,11 +207,20 @@ class _AioSection(ConfigSection):
     use_gds: bool = config_field(False, parse=boolean())
 
 
+def _keep_in_fp32_setting(value, path):
+    """``data_types.keep_in_fp32_modules``: "auto" or a list of name patterns (a list, as upstream accepts)."""
+    if value == "auto" or (isinstance(value, list) and all(isinstance(item, str) for item in value)):
+        return value if value == "auto" else list(value)
+    raise DeepSpeedConfigError(f"config key '{path}' must be \"auto\" or a list of name patterns, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class _DataTypesSection(ConfigSection):
     grad_accum_dtype: Optional[torch.dtype] = config_field(None, parse=optional(dtype()))
     param_dtype: Optional[torch.dtype] = config_field(None, parse=optional(dtype()))
     buffer_dtype: Optional[torch.dtype] = config_field(None, parse=optional(dtype()))
+    # "auto" or a list of name patterns (deepspeed/runtime/keep_in_fp32.py)
+    keep_in_fp32_modules: Any = config_field("auto", parse=_keep_in_fp32_setting)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,6 +423,7 @@ class DeepSpeedConfig:
         self.grad_accum_dtype = data_types.grad_accum_dtype
         self.param_dtype = data_types.param_dtype
         self.buffer_dtype = data_types.buffer_dtype
+        self.keep_in_fp32_modules = data_types.keep_in_fp32_modules
 
         self.tensorboard_config = _loose_dict(param_dict, TENSORBOARD)
         self.csv_monitor_config = _loose_dict(param_dict, CSV_MONITOR)

@@ -110,16 +110,6 @@ NO_EFFECT = (
         "seq_parallel_comm_data_type", _reduced_precision, "seq_parallel_comm_data_type",
         "gradients are reduced in 'communication_data_type' (default: the fp32 accumulation dtype), with or "
         "without sequence parallelism"),
-    Row("fp16.fp16_master_weights_and_grads", _enabled, "fp16.fp16_master_weights_and_grads",
-        "fp32 master weights are kept: more memory, the exact fp32 step"),
-    Row("bf16.bf16_master_weights_and_grads", _enabled, "bf16.bf16_master_weights_and_grads",
-        "fp32 master weights are kept: more memory, the exact fp32 step"),
-    Row("bf16.bf16_optimizer_states", _enabled, "bf16.bf16_optimizer_states",
-        "the optimizer state stays fp32: more memory, the exact fp32 step"),
-    Row("bfloat16.bf16_master_weights_and_grads", _enabled, "bfloat16.bf16_master_weights_and_grads",
-        "fp32 master weights are kept: more memory, the exact fp32 step"),
-    Row("bfloat16.bf16_optimizer_states", _enabled, "bfloat16.bf16_optimizer_states",
-        "the optimizer state stays fp32: more memory, the exact fp32 step"),
 )
 
 

@@ -28,8 +28,11 @@ from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.instrumentation import EngineInstrumentation
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from deepspeed.runtime.optimizer_factory import build_optimizer, check_client_offload_optimizer
+from deepspeed.runtime.precision.low_precision_masters import cpu_adam_params
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
+from deepspeed.runtime.keep_in_fp32 import keep_in_fp32_pattern
 from deepspeed.runtime.precision import module_cast
 from deepspeed.runtime.precision.overflow import report_skipped_step
 from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
@@ -105,6 +108,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         self.seq_dp_world_size = self.mesh.description.sequence_data_parallel_size
         self.mp_world_size = self.mesh.description.model_parallel_size
         self.data_parallel_group = engine_mesh.dense_group(self.mesh)  # None: the default group
+        ds_checkpointing.configure_from_engine(cfg, mpu)  # the activation_checkpointing section, if given
         self._reduction_plan = engine_mesh.reduction_plan(self.mesh)
         if autoep_config is not None:  # the model's sparse blocks get this rank's experts, grouped
             model_parameters = autoep.install_autoep(autoep_config, model, optimizer, model_parameters)
@@ -182,7 +186,10 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if not dont_change_device:
             model.to(self.device)
         if self._dtype != torch.float32:  # fp32 training casts nothing, buffer_dtype included (as upstream)
-            self._cast_module_mixed_precision(*self._mixed_precision_dtypes(), is_zero_init_model=False)
+            keep_pattern = keep_in_fp32_pattern(model, cfg.keep_in_fp32_modules, self._dtype)
+            self._cast_module_mixed_precision(*self._mixed_precision_dtypes(),
+                                              is_zero_init_model=False,
+                                              keep_pattern=keep_pattern)
         self._broadcast_model()
 
     # Upstream's names for the precision cast (runtime/precision/module_cast.py); tests call them on stand-ins.
@@ -221,11 +228,15 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             if str(cfg.optimizer_name).lower() == "muon":  # which parameters are Muon's: upstream's rule, by name
                 from deepspeed.ops.muon import tag_muon_params
                 tag_muon_params(self.module)
+            cpu_optimizer = self._offload_optimizer_device() in ("cpu", "nvme")
+            optimizer_params = dict(cfg.optimizer_params or {})
+            if cpu_optimizer:  # bf16.bf16_optimizer_states: the host Adam keeps bf16 moments
+                optimizer_params = cpu_adam_params(cfg, cfg.optimizer_name, optimizer_params)
             return build_optimizer(cfg.optimizer_name,
                                    params,
-                                   dict(cfg.optimizer_params or {}),
+                                   optimizer_params,
                                    self.device.type,
-                                   cpu_optimizer=self._offload_optimizer_device() in ("cpu", "nvme"))
+                                   cpu_optimizer=cpu_optimizer)
         if isinstance(client_optimizer, torch.optim.Optimizer):
             built = client_optimizer
         elif callable(client_optimizer):

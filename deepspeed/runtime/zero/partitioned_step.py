@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""fp32 master partitions and the optimizer pointed at them, shared by ZeRO stages 1, 2 and 3."""
+"""Master partitions (fp32, or 16-bit with ``*_master_weights_and_grads``) and the optimizer pointed at them, shared
+by ZeRO stages 1, 2 and 3."""
 
 import torch
 
@@ -7,14 +8,14 @@ from deepspeed.runtime.zero.transfers import pinned
 
 
 def master_partition(values, grad, pin_memory):
-    """An fp32 master partition (an optimizer parameter) holding ``values``.
+    """A master partition (an optimizer parameter) holding ``values``, in their dtype.
 
-    Its ``.grad`` is ``grad`` (the window gradient partition) when that is float32 and on the master's device;
-    with a lower-precision window the stage attaches a float32 copy for each step instead (ZenFlow, whose
-    partitions may stay on the device, attaches its window's mean).
+    Its ``.grad`` is ``grad`` (the window gradient partition) when that has the master's dtype and device;
+    otherwise the stage attaches a copy in the master's dtype for each step (:func:`attach_step_grads`; ZenFlow,
+    whose partitions may stay on the device, attaches its window's mean).
     """
     master = torch.nn.Parameter(pinned(values, pin_memory))
-    if grad.dtype == torch.float32 and grad.device == master.device:
+    if grad.dtype == master.dtype and grad.device == master.device:
         master.grad = grad
     return master
 
@@ -31,6 +32,18 @@ def attach_grad(master, grad):
         master.grad = grad
     finally:
         master.data = data
+
+
+def attach_step_grads(masters, grad_parts):
+    """Give each master whose window gradient has another dtype a gradient in its own dtype for this step (the
+    window gradient rounded once, :func:`attach_grad`); returns the masters it attached to (the stage drops their
+    ``.grad`` after the step)."""
+    attached = []
+    for master, part in zip(masters, grad_parts):
+        if part.dtype != master.dtype:
+            attach_grad(master, part.to(master.dtype))
+            attached.append(master)
+    return attached
 
 
 def point_optimizer_at(inner, masters, nonempty):

@@ -43,7 +43,8 @@ from deepspeed.runtime.zero.parameter_units import UnitCoordinator, build_units
 from deepspeed.runtime.zero.partition_layout import UnitPartitionLayout
 from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zero_param, partition_param,
                                                          write_shard_from_full)
-from deepspeed.runtime.zero.partitioned_step import (PartitionedOptimizerState, attach_grad, master_partition,
+from deepspeed.runtime.precision.low_precision_masters import check_optimizer
+from deepspeed.runtime.zero.partitioned_step import (PartitionedOptimizerState, attach_step_grads, master_partition,
                                                      point_optimizer_at)
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import UnitGeometry
@@ -64,6 +65,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     def __init__(self, module, optimizer, config, clock, *, device, group, reduction=None):
         super().__init__(config, optimizer, clock, device=device, group=group, reduction=reduction)
+        check_optimizer(config, optimizer)
         if self.reduction.has_experts(p for g in optimizer.param_groups for p in g["params"]):
             raise NotImplementedError("expert parameters (deepspeed.moe, AutoEP) on ZeRO stage 3 are not supported: "
                                       "stage 3 shards every parameter over all data-parallel ranks; use ZeRO stage "
@@ -122,7 +124,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                                       "not supported; see docs/tensor_parallel.md")
         self.masters = []
         for g in range(num_groups):
-            values = self.shards[g].to(self.part_device, torch.float32, copy=True)
+            values = self.shards[g].to(self.part_device, config.master_dtype, copy=True)
             self.masters.append(master_partition(values, geometry.grad_parts[g], config.pin_masters))
         point_optimizer_at(optimizer, self.masters, layout.group_part_numel)
         install_matrix_step(self, lambda muon_groups: stage3_blocks(layout, muon_groups))
@@ -174,7 +176,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         self.unit_step = None
         self._state_dict_hooks = []
         if (self.host_step is not None and self.host_step.pipeline is not None and config.zenflow is None
-                and config.accum_dtype == torch.float32):
+                and config.accum_dtype == torch.float32 and config.master_dtype == torch.float32):
             self.unit_step = UnitStep(self)
             geometry.folder.barrier = self.host_step.finish
             for sub in module.modules():
@@ -307,18 +309,14 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             self._gather_persistent()
             return
         with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
-            attached = self.config.accum_dtype != torch.float32
-            if attached:
-                for master, part in zip(self.masters, self.grad_parts):
-                    attach_grad(master, part.to(torch.float32))
+            attached = attach_step_grads(self.masters, self.grad_parts)
             if self.host_step is not None:
                 self.host_step.step(before_write=self.fetch if self._host_shards else None,
                                     grad_scale=self._take_grad_scale())
             else:
                 self.optimizer.step()
-            if attached:
-                for master in self.masters:
-                    master.grad = None
+            for master in attached:
+                master.grad = None
         self.refresh_16bit()
 
     @torch.no_grad()

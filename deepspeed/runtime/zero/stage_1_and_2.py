@@ -34,7 +34,8 @@ from deepspeed.runtime.zero.matrix_step import install_matrix_step, stage12_bloc
 from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.piece_waits import PieceWaits
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
-from deepspeed.runtime.zero.partitioned_step import (PartitionedOptimizerState, attach_grad, master_partition,
+from deepspeed.runtime.precision.low_precision_masters import check_optimizer
+from deepspeed.runtime.zero.partitioned_step import (PartitionedOptimizerState, attach_step_grads, master_partition,
                                                      point_optimizer_at)
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import PartitionGeometry
@@ -48,6 +49,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
 
     def __init__(self, module, optimizer, config, clock, *, device, group, reduction=None):
         super().__init__(config, optimizer, clock, device=device, group=group, reduction=reduction)
+        check_optimizer(config, optimizer)
         self.stage = config.stage
         groups = trainable_groups(optimizer)
         self.layout = layout = PartitionedLayout(groups, list(module.parameters()), config.bucket_numel,
@@ -87,7 +89,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                              in_flight_limit=self._in_flight_limit())
         self.masters = []
         for g, numel in enumerate(layout.group_part_numel):
-            master = torch.zeros(numel, dtype=torch.float32, device=self.part_device)
+            master = torch.zeros(numel, dtype=config.master_dtype, device=self.part_device)
             for bucket in layout.buckets:
                 if bucket.group == g:
                     layout.bucket_part(master, bucket).copy_(layout.bucket_own_chunk_full(self.flat_params, bucket))
@@ -131,7 +133,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
     def _pipelined(self):
         """Whether the offloaded step runs bucket by bucket with its uploads (see ``offload_step``)."""
         return (self.host_step is not None and self.host_step.pipeline is not None and self.zenflow is None
-                and self.config.accum_dtype == torch.float32)
+                and self.config.accum_dtype == torch.float32 and self.config.master_dtype == torch.float32)
 
     @property
     def grad_parts(self):
@@ -167,24 +169,15 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                                                begun=begun)
             return
         with ds_range("DS::step"), self.timed(OPTIMIZER_STEP_TIMER):
-            attached = self._attach_step_grads()
+            attached = attach_step_grads(self.masters, self.grad_parts)
             if self.host_step is not None:
                 self.host_step.step()
             else:
                 self.optimizer.step()
-            if attached:
-                for master in self.masters:
-                    master.grad = None
+            for master in attached:
+                master.grad = None
         with self.timed(OPTIMIZER_ALLGATHER_TIMER):
             self.all_gather_params()
-
-    def _attach_step_grads(self):
-        """With a lower-precision window, give the masters fp32 gradients for this step; whether it did."""
-        if self.config.accum_dtype == torch.float32:
-            return False
-        for master, part in zip(self.masters, self.grad_parts):
-            attach_grad(master, part.to(torch.float32))
-        return True
 
     def _masters_current(self):
         super()._masters_current()

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from deepspeed.runtime.precision.low_precision_masters import master_dtype
 from deepspeed.runtime.zenflow.config import check_zenflow_stage
 from deepspeed.runtime.zero.zeropp import ZeroPP, check_zeropp
 
@@ -23,6 +24,8 @@ class StageConfig:
     stage: int
     model_dtype: torch.dtype
     accum_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype = torch.float32  # the masters' dtype (16-bit with *_master_weights_and_grads)
+    states_16bit: bool = False  # bf16.bf16_optimizer_states: the optimizer state takes the masters' dtype
     comm_dtype: Optional[torch.dtype] = None  # None: communicate in the accumulation dtype
     average: bool = True  # gradient_allreduce_op "mean" (1/W folded into the factor) or "sum"
     requires_loss_scale: bool = False  # fp16: gradients must come through a loss-scaling seed
@@ -75,9 +78,14 @@ class StageConfig:
                                       "stage 3 needs offload_optimizer.ratio 1 (no device share); see docs/offload.md")
         param_section = zero.offload_param if offload_param == "cpu" else None
         zeropp = check_zeropp(zero, stage, _zero_world_size() if zero.zero_hpz_partition_size > 1 else 1)
+        # *_master_weights_and_grads: the window gradient takes the masters' dtype too, unless
+        # data_types.grad_accum_dtype names one
+        masters = master_dtype(cfg) if stage > 0 else torch.float32
         return cls(stage=stage,
                    model_dtype=model_dtype,
-                   accum_dtype=cfg.grad_accum_dtype or torch.float32,
+                   accum_dtype=cfg.grad_accum_dtype or masters,
+                   master_dtype=masters,
+                   states_16bit=bool(cfg.bf16_optimizer_states) and masters != torch.float32,
                    comm_dtype=cfg.communication_data_type,
                    average=cfg.gradient_allreduce_op != "sum",
                    requires_loss_scale=bool(cfg.fp16_enabled),

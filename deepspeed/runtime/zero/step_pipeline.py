@@ -103,6 +103,8 @@ class StepPipeline:
                 continue
             if group["params"] != [master] or not host_adam.group_supported(group):
                 return False
+            if master.dtype != torch.float32:  # 16-bit masters (*_master_weights_and_grads): the optimizer's step
+                return False
             if target.dtype == torch.float32:
                 # DeepSpeedCPUAdam steps an fp32 model on torch's kernels unless DS_NATIVE_CPU_ADAM=1: the
                 # pipeline (on the op) would change the numbers

@@ -19,9 +19,9 @@ def _device():
 def restore_module_state():
     """configure() and the RNG tracker are process-wide: put them back after each test."""
     saved = (ckpt._configured, ckpt._mpu, dict(ckpt._options), ckpt.get_cuda_rng_tracker().get_states(),
-             set(ckpt.get_cuda_rng_tracker().seeds_))
+             set(ckpt.get_cuda_rng_tracker().seeds_), ckpt._store)
     yield
-    ckpt._configured, ckpt._mpu, ckpt._options = saved[0], saved[1], saved[2]
+    ckpt._configured, ckpt._mpu, ckpt._options, ckpt._store = saved[0], saved[1], saved[2], saved[5]
     tracker = ckpt.get_cuda_rng_tracker()
     tracker.set_states(saved[3])
     tracker.seeds_ = saved[4]
@@ -153,13 +153,19 @@ def test_configure_sources_and_overrides(tmp_path):
     assert ckpt.get_config()["synchronize"] is True and ckpt.get_config()["partition_activations"] is False
 
     class EngineConfig:
-        activation_checkpointing_config = {"contiguous_memory_optimization": True, "partition_activations": True}
+        activation_checkpointing_config = {
+            "contiguous_memory_optimization": True,
+            "partition_activations": True,
+            "number_checkpoints": 2
+        }
 
     ckpt.configure(None, deepspeed_config=EngineConfig())
     assert ckpt.get_config()["contiguous_checkpointing"] is True
 
     with pytest.raises(ValueError, match="partition_activations"):
         ckpt.configure(contiguous_checkpointing=True)
+    with pytest.raises(ValueError, match="num_checkpoints"):
+        ckpt.configure(contiguous_checkpointing=True, partition_activations=True)
 
     ckpt.reset()  # releases buffers only: the configuration stays
     assert ckpt.is_configured()

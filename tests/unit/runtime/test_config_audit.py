@@ -53,16 +53,6 @@ NO_EFFECT = {
     "dump_state": {"dump_state": True},
     "seq_parallel_communication_data_type": {"seq_parallel_communication_data_type": "bf16"},
     "seq_parallel_comm_data_type": {"seq_parallel_comm_data_type": "fp16"},
-    "fp16.fp16_master_weights_and_grads": {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
-                                           Z: {"stage": 2}},
-    "bf16.bf16_master_weights_and_grads": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
-                                           Z: {"stage": 2}},
-    "bf16.bf16_optimizer_states": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
-                                            "bf16_optimizer_states": True}, Z: {"stage": 2}},
-    "bfloat16.bf16_master_weights_and_grads": {"bfloat16": {"enabled": True, "bf16_master_weights_and_grads": True},
-                                               Z: {"stage": 1}},
-    "bfloat16.bf16_optimizer_states": {"bfloat16": {"enabled": True, "bf16_master_weights_and_grads": True,
-                                                    "bf16_optimizer_states": True}, Z: {"stage": 1}},
 }  # yapf: disable
 
 
