@@ -620,6 +620,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         (``engine.module`` stays usable); calling ``destroy()`` again does nothing.
         """
         registry.discard_stale_sessions()
+        self._close_checkpoint_engine()  # a checkpoint written behind training finishes first
         self._instruments.close()
         if self._ownership is not None:
             self._ownership.release()
