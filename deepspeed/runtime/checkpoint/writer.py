@@ -63,8 +63,13 @@ def atomic_serialize(obj, path, open_file, zipfile=True):
     from deepspeed.runtime.checkpoint_engine.file_writers import serialize
     tmp = temp_path(path)
     try:
-        serialize(obj, open_file(tmp), zipfile)
-        os.replace(tmp, path)
+        try:
+            serialize(obj, open_file(tmp), zipfile)
+            os.replace(tmp, path)
+        except OSError as exc:  # named by the checkpoint file, not its temporary name
+            if exc.errno is None or exc.filename == path:
+                raise
+            raise OSError(exc.errno, exc.strerror, path) from exc
     except BaseException:
         try:
             os.remove(tmp)
@@ -121,8 +126,8 @@ class SaveWriter:
     def _write(self, obj, path):
         if self._engine is None:
             atomic_torch_save(obj, path)
-        else:
-            self._engine.save(obj, path)
+        else:  # now, on this thread (a decoupled engine's own ``save`` would hand it to another writer thread)
+            getattr(self._engine, "write_file", self._engine.save)(obj, path)
         self._wrote(path)
 
     def write_deferred(self, files):

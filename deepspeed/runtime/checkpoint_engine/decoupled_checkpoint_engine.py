@@ -91,8 +91,7 @@ class DecoupledCheckpointEngine(FastCheckpointEngine):
     def save(self, state_dict, path: str):
         """Stage ``state_dict`` in host memory now and write it to ``path`` on the writer thread."""
         staged = stage_to_host([state_dict])[0]
-        write = super().save
-        self.submit(lambda: write(staged, path))
+        self.submit(lambda: self.write_file(staged, path))
 
     def commit(self, info: CheckpointCommitInfo):
         """Wait until the files of ``info`` are written (raising a failure); True."""
@@ -111,7 +110,7 @@ class DecoupledCheckpointEngine(FastCheckpointEngine):
         try:
             self.wait()
         except Exception as exc:
-            logger.error(f"[{ENGINE_NAME}] the last checkpoint save failed: {exc}")
+            logger.error(f"[{ENGINE_NAME}] the last checkpoint save failed: {exc}", exc_info=exc)
         self._thread = None
         self.commit_info = None
         super().cleanup()

@@ -22,6 +22,7 @@ has taken ``after_bytes`` bytes (``0:28``: a disk with no space left), below tor
 ``ENOSPC`` surfaces.
 """
 
+import ctypes
 import errno as errno_codes
 import os
 import time
@@ -127,6 +128,9 @@ class FastFileWriter:
         self.os = _OsErrors(path)
         self._handle = handle
         self._buffers = list(buffers)
+        # plain memory views of the buffers: a slice assignment is one memcpy (torch's copy_ of a uint8 view over
+        # foreign bytes measured ten times slower)
+        self._views = [memoryview((ctypes.c_char * b.numel()).from_address(b.data_ptr())).cast("B") for b in buffers]
         self._fd = self.os.call(os.open, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         self._current = 0
         self._fill = 0
@@ -159,15 +163,14 @@ class FastFileWriter:
     def write(self, data):
         view = memoryview(data).cast("B")
         total = view.nbytes
-        source = torch.frombuffer(view, dtype=torch.uint8) if total else None
         done = 0
         while done < total:
-            buffer = self._buffers[self._current]
-            n = min(total - done, buffer.numel() - self._fill)
-            buffer.narrow(0, self._fill, n).copy_(source.narrow(0, done, n))
+            target = self._views[self._current]
+            n = min(total - done, target.nbytes - self._fill)
+            target[self._fill:self._fill + n] = view[done:done + n]
             self._fill += n
             done += n
-            if self._fill == buffer.numel():
+            if self._fill == target.nbytes:
                 self._drain()
         return total
 

@@ -39,6 +39,10 @@ class TorchCheckpointEngine(CheckpointEngine):
         return PythonFileWriter(path)
 
     def save(self, state_dict, path: str):
+        self.write_file(state_dict, path)
+
+    def write_file(self, state_dict, path: str):
+        """Write ``state_dict`` to ``path`` now, atomically and synced (what a background writer runs, too)."""
         from deepspeed.runtime.checkpoint.writer import atomic_serialize
         atomic_serialize(state_dict, path, self.open_file, self.zipfile_serialization)
 
