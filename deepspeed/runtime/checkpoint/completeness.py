@@ -59,8 +59,9 @@ def check_complete(root, tag, meta):
         raise CheckpointError(_incomplete(root, tag, f"no completeness mark {mark_path(root, tag)}"))
     if found != meta.get("save_id"):
         raise CheckpointError(
-            _incomplete(root, tag, f"the completeness mark {mark_path(root, tag)} is of another save: the directory "
-                        f"mixes the files of two saves"))
+            _incomplete(
+                root, tag, f"the completeness mark {mark_path(root, tag)} is of another save: the directory "
+                f"mixes the files of two saves"))
 
 
 def explain_missing(root, tag, error):

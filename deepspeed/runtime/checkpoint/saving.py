@@ -105,7 +105,14 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True, exclud
         if rank == 0 and not upstream:
             os.makedirs(paths.tag_dir(save_dir, tag), exist_ok=True)
             completeness.remove_mark(save_dir, tag)  # a save into an existing tag: incomplete until committed
-        _write_files(engine, writer, native_root, tag, client_state, exclude_frozen_parameters, save_id, rank,
+        _write_files(engine,
+                     writer,
+                     native_root,
+                     tag,
+                     client_state,
+                     exclude_frozen_parameters,
+                     save_id,
+                     rank,
                      complete_mark=not upstream)
     except Exception as exc:
         error = exc
@@ -166,7 +173,14 @@ class _Commit:
         agree(error, None, group, comm)
 
 
-def _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_parameters, save_id, rank,
+def _write_files(engine,
+                 writer,
+                 save_dir,
+                 tag,
+                 client_state,
+                 exclude_frozen_parameters,
+                 save_id,
+                 rank,
                  complete_mark=False):
     """Write the files the engine's stage lists for this rank (see ``stage_checkpoint``)."""
     stage = checkpoint_of(engine)

@@ -9,10 +9,11 @@ once every rank's files are durable, rank 0 writes the tag's completeness mark a
 (a full disk) is agreed there too, so every rank holds the same outcome; it is raised by the next
 ``save_checkpoint``, by :meth:`wait`, or logged by ``engine.destroy()``.
 
-One save at a time: ``save_checkpoint`` first waits for the previous save's writes and commit. ``engine.destroy()``
-and the end of the interpreter wait too (a save's thread is not a daemon, and ends with its save). A rank killed while its thread writes leaves
-the tag without its completeness mark and ``latest`` naming the previous checkpoint; ``load_checkpoint`` refuses
-the partial tag by name.
+One save at a time: ``save_checkpoint`` first waits for the previous save's writes and commit; so do
+``load_checkpoint``, ``engine.destroy()`` and the end of the interpreter (a save's thread is not a daemon, and ends
+with its save). Call ``engine.destroy()`` before ``torch.distributed.destroy_process_group()``: the commit needs the
+process group. A rank killed while its thread writes leaves the tag without its completeness mark and ``latest``
+naming the previous checkpoint; ``load_checkpoint`` refuses the partial tag by name.
 
 Upstream runs the writer in a subprocess and commits at the next ``engine.step()``, which waits for the write;
 here nothing on the training path waits for the disk.

@@ -165,8 +165,7 @@ def test_killed_rank_mid_save_leaves_previous_checkpoint(tmp_path, victim, pause
         assert OPTIM.format(1) not in written, written
     assert not [name for name in written if ".tmp-" in name], written
     assert ".ds_complete" not in written and os.path.exists(os.path.join(save_dir, "good", ".ds_complete"))
-    assert run_distributed(load_after_crash_worker, WORLD, args=(save_dir, decoupled),
-                           timeout=60) == [True] * WORLD
+    assert run_distributed(load_after_crash_worker, WORLD, args=(save_dir, decoupled), timeout=60) == [True] * WORLD
 
 
 if __name__ == "__main__":

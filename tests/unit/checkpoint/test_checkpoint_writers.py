@@ -86,7 +86,9 @@ def decoupled_while_training_worker(tmp, stage, dtype, dim):
 
 @pytest.mark.parametrize("stage,dtype,dim", [(1, "fp32", None), (3, "bf16", 7)], ids=["zero1-fp32", "zero3-bf16-odd"])
 def test_decoupled_save_while_training_is_the_state_at_the_call(tmp_path, stage, dtype, dim):
-    assert run_distributed(decoupled_while_training_worker, WORLD, args=(str(tmp_path), stage, dtype, dim),
+    assert run_distributed(decoupled_while_training_worker,
+                           WORLD,
+                           args=(str(tmp_path), stage, dtype, dim),
                            timeout=180) == [True] * WORLD
 
 
@@ -160,7 +162,8 @@ def full_disk_worker(tmp, decoupled, failing_ranks):
     return message
 
 
-@pytest.mark.parametrize("decoupled,failing", [(False, (0, 1)), (True, (1, ))], ids=["sync-every-rank", "decoupled-rank1"])
+@pytest.mark.parametrize("decoupled,failing", [(False, (0, 1)), (True, (1, ))],
+                         ids=["sync-every-rank", "decoupled-rank1"])
 def test_full_disk_is_named_on_every_rank(tmp_path, decoupled, failing):
     messages = run_distributed(full_disk_worker, WORLD, args=(str(tmp_path), decoupled, failing), timeout=120)
     assert messages[0] == messages[1], messages  # the same account on every rank
@@ -188,11 +191,28 @@ def test_real_write_error_is_the_os_error_not_torchs(tmp_path):
 
 
 @pytest.mark.parametrize("section,words", [
-    ({"checkpoint": {"writer": {"type": "mock"}}}, "checkpoint.writer.type"),
-    ({"datastates_ckpt": {}}, "datastates_ckpt"),
-    ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, "zero_optimization.mics_shard_size"),
-    ({"zero_optimization": {"stage": 3, "mics_hierarchical_params_gather": False}},
-     "zero_optimization.mics_hierarchical_params_gather"),
+    ({
+        "checkpoint": {
+            "writer": {
+                "type": "mock"
+            }
+        }
+    }, "checkpoint.writer.type"),
+    ({
+        "datastates_ckpt": {}
+    }, "datastates_ckpt"),
+    ({
+        "zero_optimization": {
+            "stage": 3,
+            "mics_shard_size": 2
+        }
+    }, "zero_optimization.mics_shard_size"),
+    ({
+        "zero_optimization": {
+            "stage": 3,
+            "mics_hierarchical_params_gather": False
+        }
+    }, "zero_optimization.mics_hierarchical_params_gather"),
 ])
 def test_writers_and_keys_that_cannot_be_honoured_are_refused_by_name(section, words):
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -209,7 +229,11 @@ def test_fast_file_writer_round_trips_and_names_a_full_disk(tmp_path, monkeypatc
     from deepspeed.ops.aio.buffers import aligned_empty
     from deepspeed.runtime.checkpoint_engine.file_writers import FastFileWriter, serialize
     gen = torch.Generator().manual_seed(5)
-    state = {"a": torch.randn(1000, 37, generator=gen), "b": torch.arange(5), "c": [torch.ones(3, dtype=torch.bfloat16)]}
+    state = {
+        "a": torch.randn(1000, 37, generator=gen),
+        "b": torch.arange(5),
+        "c": [torch.ones(3, dtype=torch.bfloat16)]
+    }
     handle = AsyncIOBuilder().load(verbose=False).aio_handle(block_size=8192, queue_depth=4)
     for count in (1, 2):
         path = str(tmp_path / f"fast{count}.pt")

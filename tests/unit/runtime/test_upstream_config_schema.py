@@ -97,57 +97,103 @@ UNDER_REFUSED = {
 }
 
 NO_EFFECT = {
-    "sparse_gradients": "embedding gradients are reduced dense, to the same values (upstream 0.19.8 refuses the key)",
-    "graph_harvesting": "a speed option of upstream's CUDA graphs (upstream 0.19.8 refuses the key)",
-    "sparse_attention": "configures sparse attention ops, which are not part of this runtime (upstream 0.19.8 "
+    "sparse_gradients":
+    "embedding gradients are reduced dense, to the same values (upstream 0.19.8 refuses the key)",
+    "graph_harvesting":
+    "a speed option of upstream's CUDA graphs (upstream 0.19.8 refuses the key)",
+    "sparse_attention":
+    "configures sparse attention ops, which are not part of this runtime (upstream 0.19.8 "
     "refuses the section)",
-    "eigenvalue": "upstream 0.19.8 refuses the section; here it configures the eigenvalue monitor (docs/monitor.md)",
-    "elasticity": "upstream 0.19.8 refuses the section; batch sizes are set directly",
-    "dump_state": "the engine's state is not printed (DeepSpeedConfig.print() shows the configuration)",
-    "vocabulary_size": "upstream only logs whether it is a multiple of 8 (tensor-core alignment)",
-    "seq_parallel_communication_data_type": "gradients are reduced in communication_data_type, with or without "
+    "eigenvalue":
+    "upstream 0.19.8 refuses the section; here it configures the eigenvalue monitor (docs/monitor.md)",
+    "elasticity":
+    "upstream 0.19.8 refuses the section; batch sizes are set directly",
+    "dump_state":
+    "the engine's state is not printed (DeepSpeedConfig.print() shows the configuration)",
+    "vocabulary_size":
+    "upstream only logs whether it is a multiple of 8 (tensor-core alignment)",
+    "seq_parallel_communication_data_type":
+    "gradients are reduced in communication_data_type, with or without "
     "sequence parallelism",
-    "prescale_gradients": "the 1/W of the mean is folded into each contribution's fp32 factor: pre-division "
+    "prescale_gradients":
+    "the 1/W of the mean is folded into each contribution's fp32 factor: pre-division "
     "changes no result",
-    "gradient_predivide_factor": "the 1/W of the mean is folded into each contribution's fp32 factor",
-    "timers.throughput.enabled": "the progress line's samples/s come from the host clock",
-    "timers.throughput.synchronized": "the throughput timer never synchronises the device",
-    "timers": "the throughput timer's section (its keys have no effect, above)",
-    "timers.throughput": "the throughput timer's section (its keys have no effect, above)",
-    "zero_optimization.allgather_partitions": "updated parameters are all-gathered per reduce bucket or unit",
-    "zero_optimization.allgather_bucket_size": "updated parameters are all-gathered per reduce bucket or unit",
-    "zero_optimization.contiguous_gradients": "gradients are always contiguous",
-    "zero_optimization.round_robin_gradients": "the partitioning of gradients is fixed by the layout",
-    "zero_optimization.sub_group_size": "a speed knob of upstream's optimizer step (NVMe offload's page size here)",
-    "zero_optimization.stage3_max_live_parameters": "one unit is prefetched ahead",
-    "zero_optimization.max_live_parameters": "one unit is prefetched ahead",
-    "zero_optimization.stage3_max_reuse_distance": "one unit is prefetched ahead",
-    "zero_optimization.max_reuse_distance": "one unit is prefetched ahead",
-    "zero_optimization.stage3_model_persistence_threshold": "a speed knob: which parameters stay gathered",
-    "zero_optimization.model_persistence_threshold": "a speed knob: which parameters stay gathered",
-    "zero_optimization.stage3_module_granularity_threshold": "a speed knob of upstream's fetch grouping",
-    "zero_optimization.module_granularity_threshold": "a speed knob of upstream's fetch grouping",
-    "zero_optimization.stage3_use_all_reduce_for_fetch_params": "a speed knob of upstream's fetch collective",
-    "zero_optimization.use_all_reduce_for_fetch_params": "a speed knob of upstream's fetch collective",
-    "zero_optimization.leaf_module": "units are whole modules already",
-    "zero_optimization.leaf_module.classes": "units are whole modules already",
-    "zero_optimization.leaf_module.names": "units are whole modules already",
-    "zero_optimization.leaf_module.name_suffixes": "units are whole modules already",
-    "zero_optimization.load_from_fp32_weights": "the fp32 masters always come from the checkpoint's fp32 values",
-    "zero_optimization.elastic_checkpoint": "checkpoints load on any world size (upstream deprecated the key)",
-    "zero_optimization.use_multi_rank_bucket_allreduce": "a speed knob of upstream's bucketing",
-    "zero_optimization.memory_efficient_linear": "linear layers keep autograd's own saved tensors",
-    "zero_optimization.compute_grad_norm": "the norm is always computed (engine.get_global_grad_norm())",
-    "zero_optimization.offload_optimizer.pipeline_read": "NVMe steps are always pipelined",
-    "zero_optimization.offload_optimizer.pipeline_write": "NVMe steps are always pipelined",
-    "zero_optimization.offload_optimizer.fast_init": "NVMe state is initialised by the pipelined step",
-    "aio.single_submit": "the I/O threads submit one block at a time",
-    "aio.overlap_events": "completions are always overlapped",
-    "checkpoint.writer.data_parallel": "upstream splits a replicated file's bytes across data-parallel writers "
+    "gradient_predivide_factor":
+    "the 1/W of the mean is folded into each contribution's fp32 factor",
+    "timers.throughput.enabled":
+    "the progress line's samples/s come from the host clock",
+    "timers.throughput.synchronized":
+    "the throughput timer never synchronises the device",
+    "timers":
+    "the throughput timer's section (its keys have no effect, above)",
+    "timers.throughput":
+    "the throughput timer's section (its keys have no effect, above)",
+    "zero_optimization.allgather_partitions":
+    "updated parameters are all-gathered per reduce bucket or unit",
+    "zero_optimization.allgather_bucket_size":
+    "updated parameters are all-gathered per reduce bucket or unit",
+    "zero_optimization.contiguous_gradients":
+    "gradients are always contiguous",
+    "zero_optimization.round_robin_gradients":
+    "the partitioning of gradients is fixed by the layout",
+    "zero_optimization.sub_group_size":
+    "a speed knob of upstream's optimizer step (NVMe offload's page size here)",
+    "zero_optimization.stage3_max_live_parameters":
+    "one unit is prefetched ahead",
+    "zero_optimization.max_live_parameters":
+    "one unit is prefetched ahead",
+    "zero_optimization.stage3_max_reuse_distance":
+    "one unit is prefetched ahead",
+    "zero_optimization.max_reuse_distance":
+    "one unit is prefetched ahead",
+    "zero_optimization.stage3_model_persistence_threshold":
+    "a speed knob: which parameters stay gathered",
+    "zero_optimization.model_persistence_threshold":
+    "a speed knob: which parameters stay gathered",
+    "zero_optimization.stage3_module_granularity_threshold":
+    "a speed knob of upstream's fetch grouping",
+    "zero_optimization.module_granularity_threshold":
+    "a speed knob of upstream's fetch grouping",
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params":
+    "a speed knob of upstream's fetch collective",
+    "zero_optimization.use_all_reduce_for_fetch_params":
+    "a speed knob of upstream's fetch collective",
+    "zero_optimization.leaf_module":
+    "units are whole modules already",
+    "zero_optimization.leaf_module.classes":
+    "units are whole modules already",
+    "zero_optimization.leaf_module.names":
+    "units are whole modules already",
+    "zero_optimization.leaf_module.name_suffixes":
+    "units are whole modules already",
+    "zero_optimization.load_from_fp32_weights":
+    "the fp32 masters always come from the checkpoint's fp32 values",
+    "zero_optimization.elastic_checkpoint":
+    "checkpoints load on any world size (upstream deprecated the key)",
+    "zero_optimization.use_multi_rank_bucket_allreduce":
+    "a speed knob of upstream's bucketing",
+    "zero_optimization.memory_efficient_linear":
+    "linear layers keep autograd's own saved tensors",
+    "zero_optimization.compute_grad_norm":
+    "the norm is always computed (engine.get_global_grad_norm())",
+    "zero_optimization.offload_optimizer.pipeline_read":
+    "NVMe steps are always pipelined",
+    "zero_optimization.offload_optimizer.pipeline_write":
+    "NVMe steps are always pipelined",
+    "zero_optimization.offload_optimizer.fast_init":
+    "NVMe state is initialised by the pipelined step",
+    "aio.single_submit":
+    "the I/O threads submit one block at a time",
+    "aio.overlap_events":
+    "completions are always overlapped",
+    "checkpoint.writer.data_parallel":
+    "upstream splits a replicated file's bytes across data-parallel writers "
     "through a torch.save hook (save_torch_storage_object_list) that stock torch never calls; here every rank "
     "writes its own partition files in parallel and the replicated model states once",
-    "checkpoint.writer.io_multiplier": "multiplies data_parallel's writers (see checkpoint.writer.data_parallel)",
-    "checkpoint.writer.io_buffer_double": "files are written through one buffered file (io_buffer_size); the "
+    "checkpoint.writer.io_multiplier":
+    "multiplies data_parallel's writers (see checkpoint.writer.data_parallel)",
+    "checkpoint.writer.io_buffer_double":
+    "files are written through one buffered file (io_buffer_size); the "
     "double-buffered async_io path measured no faster (docs/checkpoints.md)",
 }
 

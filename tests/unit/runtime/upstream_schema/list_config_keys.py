@@ -98,7 +98,6 @@ def build(config):
 
 
 def main():
-    import pydantic
     from deepspeed.runtime.config_utils import DeepSpeedConfigModel
     models = {}  # dotted path of a probed section -> pydantic class that received the probe
     current = [None]
