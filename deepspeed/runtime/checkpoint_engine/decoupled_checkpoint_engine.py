@@ -12,8 +12,9 @@ once every rank's files are durable, rank 0 writes the tag's completeness mark a
 One save at a time: ``save_checkpoint`` first waits for the previous save's writes and commit; so do
 ``load_checkpoint``, ``engine.destroy()`` and the end of the interpreter (a save's thread is not a daemon, and ends
 with its save). Call ``engine.destroy()`` before ``torch.distributed.destroy_process_group()``: the commit needs the
-process group. A rank killed while its thread writes leaves the tag without its completeness mark and ``latest``
-naming the previous checkpoint; ``load_checkpoint`` refuses the partial tag by name.
+process group (``deepspeed.comm.destroy_process_group()`` waits by itself). A rank killed while its thread writes
+leaves the tag without its completeness mark and ``latest`` naming the previous checkpoint; ``load_checkpoint``
+refuses the partial tag by name.
 
 Upstream runs the writer in a subprocess and commits at the next ``engine.step()``, which waits for the write;
 here nothing on the training path waits for the disk.
@@ -21,6 +22,7 @@ here nothing on the training path waits for the disk.
 
 import datetime
 import threading
+import weakref
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from deepspeed.runtime.checkpoint_engine.fast_checkpoint_engine import FastCheckpointEngine
@@ -30,6 +32,17 @@ from deepspeed.utils.logging import logger
 ENGINE_NAME = "DecoupledCheckpointEngine"
 # How long a commit waits for the other ranks' writer threads (a rank that died lets the others go after it).
 COMMIT_TIMEOUT = datetime.timedelta(minutes=30)
+
+_ENGINES = weakref.WeakSet()  # every live decoupled engine, for wait_for_pending_saves
+
+
+def wait_for_pending_saves():
+    """Block until every decoupled save in flight in this process is written and committed (failures stay with
+    their engines). ``deepspeed.comm.destroy_process_group()`` calls it: a commit needs the process group."""
+    for engine in list(_ENGINES):
+        thread = engine._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
 
 class DecoupledCheckpointEngine(FastCheckpointEngine):
@@ -43,6 +56,7 @@ class DecoupledCheckpointEngine(FastCheckpointEngine):
         self._lock = threading.Lock()
         self._error = None
         self._group = None
+        _ENGINES.add(self)
 
     # ---------------------------------------------------------- the thread
     def submit(self, job):
