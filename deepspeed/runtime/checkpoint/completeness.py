@@ -65,7 +65,9 @@ def check_complete(root, tag, meta):
 
 
 def explain_missing(root, tag, error):
-    """``error`` (reading the tag failed) with the incompleteness of the save said, when the tag has no mark."""
-    if read_mark(root, tag) is not None or not os.path.isdir(paths.tag_dir(root, tag)):
+    """``error`` (a file of the tag is missing) with the incompleteness of the save said, when the tag has no
+    mark; other errors as they are."""
+    if ": missing (" not in str(error) or read_mark(root, tag) is not None or \
+            not os.path.isdir(paths.tag_dir(root, tag)):
         return error
     return CheckpointError(_incomplete(root, tag, f"no completeness mark; {error}"))

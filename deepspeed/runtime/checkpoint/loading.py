@@ -94,11 +94,12 @@ class _Load:
                                                  mp_rank=self.mp_rank,
                                                  mp_size=self.engine.mp_world_size)
         except CheckpointError as exc:
-            explained = completeness.explain_missing(load_dir, self.tag, exc)
+            explained = exc if universal else completeness.explain_missing(load_dir, self.tag, exc)
             if explained is exc:
                 raise
             raise explained from exc
-        completeness.check_complete(load_dir, self.tag, saved.meta)
+        if not universal and saved.reader is None:  # a folder a converter made carries the source's records
+            completeness.check_complete(load_dir, self.tag, saved.meta)
         check_module(saved.saved_shapes(), self.engine.module, self.strict, saved.model_path)
         self.module_values = self._local(saved.module_values())
         if saved.per_rank:
