@@ -85,8 +85,10 @@ def initialize(args=None,
     config = _tp_init_utils.merged_config(config, mpu, mesh_param, comm)
     if isinstance(model, PipelineModule):  # pipeline parallelism: a PipelineEngine (docs/pipeline.md)
         from deepspeed.runtime.pipe.engine import initialize_pipeline
-        return initialize_pipeline(args, model, optimizer, model_parameters, training_data, lr_scheduler, mpu,
-                                   dist_init_required, collate_fn, config)
+        returned = initialize_pipeline(args, model, optimizer, model_parameters, training_data, lr_scheduler, mpu,
+                                       dist_init_required, collate_fn, config)
+        returned[0]._configure_python_gc()  # disable_python_gc, as upstream: once the engine is built
+        return returned
     engine = DeepSpeedEngine(args=args,
                              model=model,
                              optimizer=optimizer,
@@ -97,6 +99,7 @@ def initialize(args=None,
                              dist_init_required=dist_init_required,
                              collate_fn=collate_fn,
                              config=config)
+    engine._configure_python_gc()  # disable_python_gc, as upstream: once the engine is built
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

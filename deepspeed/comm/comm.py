@@ -110,6 +110,9 @@ def is_available():
 
 def destroy_process_group(group=None):
     fallbacks.reset_capabilities()
+    if group is None:  # a checkpoint still committed behind training needs the groups: it finishes first
+        from deepspeed.runtime.checkpoint_engine.decoupled_checkpoint_engine import wait_for_pending_saves
+        wait_for_pending_saves()
     if group is None:  # the mesh's groups go too: a reference kept to one keeps its threads alive
         from deepspeed.utils import groups
         groups.forget_groups()

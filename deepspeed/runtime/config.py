@@ -89,6 +89,7 @@ class _TopLevelSettings(ConfigSection):
     wall_clock_breakdown: bool = config_field(False, parse=boolean())
     memory_breakdown: bool = config_field(False, parse=boolean())
     dump_state: bool = config_field(False, parse=boolean())
+    disable_python_gc: bool = config_field(False, parse=boolean())
     gradient_clipping: float = config_field(1.0, parse=number(minimum=0.0))
     prescale_gradients: bool = config_field(False, parse=boolean())
     gradient_predivide_factor: float = config_field(1.0, parse=number(minimum=0.0, exclusive_minimum=True))
@@ -372,6 +373,7 @@ class DeepSpeedConfig:
         self.wall_clock_breakdown = top.wall_clock_breakdown
         self.memory_breakdown = top.memory_breakdown
         self.dump_state = top.dump_state
+        self.disable_python_gc = top.disable_python_gc  # deepspeed/runtime/python_gc.py
         self.gradient_clipping = top.gradient_clipping
         self.prescale_gradients = top.prescale_gradients
         self.gradient_predivide_factor = top.gradient_predivide_factor
@@ -392,7 +394,6 @@ class DeepSpeedConfig:
         self.zero_config: DeepSpeedZeroConfig = get_zero_config(param_dict)
         self.zero_optimization_stage = self.zero_config.stage
         self.zero_enabled = self.zero_optimization_stage > 0
-        self.mics_shard_size = self.zero_config.mics_shard_size
 
         self._initialize_precision(param_dict)
 

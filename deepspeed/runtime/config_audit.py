@@ -84,6 +84,11 @@ NOT_BUILT = (
     Row("progressive_layer_drop", _section_enabled, "progressive layer drop (progressive_layer_drop.enabled)"),
     Row("nebula", _section_enabled, "Nebula checkpointing (nebula.enabled)",
         "checkpoints would be written locally with torch.save"),
+    Row("datastates_ckpt", lambda value: value is not False, "DataStates asynchronous checkpoints (datastates_ckpt; "
+        "upstream turns them on for any value but false)", "use checkpoint.writer with decoupled=true"),
+    Row("checkpoint.writer.type", lambda value: str(value).strip().upper() == "MOCK",
+        "the mock checkpoint writer (checkpoint.writer.type 'mock' writes files without their bytes)",
+        "its checkpoints would not load; use 'fast' or 'python'"),
     Row("use_data_before_expert_parallelism", _enabled, "the data-before-expert-parallel rank layout "
         "(use_data_before_expert_parallelism)", "expert groups would be laid out expert-parallel first"),
     Row("checkpoint.use_node_local_storage", _enabled, "node-local checkpoint storage "
@@ -99,7 +104,6 @@ NOT_BUILT = (
 NO_EFFECT = (
     Row("datastates", _given, "the 'datastates' section",
         "checkpoints are written with torch.save, as upstream writes them without the datastates package"),
-    Row("disable_python_gc", _enabled, "disable_python_gc", "Python's garbage collector keeps running"),
     Row("dump_state", _enabled, "dump_state", "the engine's state is not printed (DeepSpeedConfig.print() shows the "
         "configuration)"),
     Row(

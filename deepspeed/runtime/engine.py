@@ -639,6 +639,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         (``engine.module`` stays usable); calling ``destroy()`` again does nothing.
         """
         registry.discard_stale_sessions()
+        self._close_checkpoint_engine()  # a checkpoint written behind training finishes first
         self._instruments.close()
         if self._ownership is not None:
             self._ownership.release()
@@ -650,7 +651,27 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self._stage.release()
         if self._tensor_parallel is not None:
             self._tensor_parallel.release()
+        self._release_python_gc()
         engine_lifecycle.retire(self)
+
+    # disable_python_gc (deepspeed/runtime/python_gc.py): upstream's names
+    def _configure_python_gc(self):
+        """``initialize`` calls it once the engine is built: automatic collection off with ``disable_python_gc``."""
+        if self._config.disable_python_gc and self.__dict__.get("_python_gc_token") is None:
+            from deepspeed.runtime.python_gc import python_gc_manager
+            self.__dict__["_python_gc_token"] = python_gc_manager.acquire()
+
+    def _release_python_gc(self):
+        token = self.__dict__.pop("_python_gc_token", None)
+        if token is not None:
+            from deepspeed.runtime.python_gc import python_gc_manager
+            python_gc_manager.release(token)
+
+    def collect_python_gc(self):
+        """Run Python's cyclic garbage collection now (at a step boundary the training loop picks); returns the
+        number of unreachable objects found."""
+        from deepspeed.runtime.python_gc import python_gc_manager
+        return python_gc_manager.collect()
 
 
 def _cast_floats(obj, dtype):

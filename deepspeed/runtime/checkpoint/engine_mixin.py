@@ -22,6 +22,29 @@ from deepspeed.utils.logging import logger
 class CheckpointEngineMixin:
     """Checkpoint methods of ``DeepSpeedEngine`` (ZeRO stages 0 to 3)."""
 
+    @property
+    def checkpoint_engine(self):
+        """The ``CheckpointEngine`` that writes this engine's checkpoint files (``checkpoint.writer`` picks it;
+        made on first use)."""
+        ckpt_engine = self.__dict__.get("_ds_checkpoint_engine")
+        if ckpt_engine is None:
+            from deepspeed.runtime.checkpoint_engine import create_checkpoint_engine
+            ckpt_engine = create_checkpoint_engine(self._config, None, self.zero_optimization_stage(), False,
+                                                   self.zero_optimization_stage() < 3)
+            self.__dict__["_ds_checkpoint_engine"] = ckpt_engine
+        return ckpt_engine
+
+    @checkpoint_engine.setter
+    def checkpoint_engine(self, value):
+        self.__dict__["_ds_checkpoint_engine"] = value
+
+    def _close_checkpoint_engine(self):
+        """Wait for a checkpoint still being written behind training (its failure is logged) and release the
+        writer's resources; ``destroy()`` calls it."""
+        ckpt_engine = self.__dict__.pop("_ds_checkpoint_engine", None)
+        if ckpt_engine is not None:
+            ckpt_engine.cleanup()
+
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         """Collective: save the training state under ``<save_dir>/<tag>`` (default tag ``global_step{N}``).
 
@@ -29,6 +52,10 @@ class CheckpointEngineMixin:
         differing value raises ValueError on every rank. ``client_state`` (a dict) is stored
         in the model-states file and returned by ``load_checkpoint``. With ``save_latest``,
         ``<save_dir>/latest`` names the tag once every rank's files are on disk. Returns True.
+
+        With ``checkpoint.writer.decoupled`` it returns once the state is staged in host memory; the files, the
+        tag's completeness mark and ``latest`` are written behind training (docs/checkpoints.md), and the next
+        save waits for them.
         """
         return saving.save(self,
                            save_dir,

@@ -34,6 +34,7 @@ with ``load_lr_scheduler_states``; counters (``global_steps``, ``global_samples`
 
 from deepspeed.checkpoint.constants import LATEST_UNIVERSAL_FILE
 from deepspeed.runtime import expert_checkpoint
+from deepspeed.runtime.checkpoint import completeness
 from deepspeed.runtime.checkpoint.model_state import check_module, client_state_of, param_names
 from deepspeed.runtime.checkpoint.optimizer_state import import_scaler
 from deepspeed.runtime.checkpoint.reader import resolve_tag
@@ -85,12 +86,20 @@ class _Load:
         self.tag, self.reason = resolve_tag(load_dir, tag, latest=LATEST_UNIVERSAL_FILE if universal else None)
         if self.tag is None:
             return
-        self.saved = saved = SavedCheckpoint(load_dir,
-                                             self.tag,
-                                             self.dp_rank,
-                                             universal=universal,
-                                             mp_rank=self.mp_rank,
-                                             mp_size=self.engine.mp_world_size)
+        try:
+            self.saved = saved = SavedCheckpoint(load_dir,
+                                                 self.tag,
+                                                 self.dp_rank,
+                                                 universal=universal,
+                                                 mp_rank=self.mp_rank,
+                                                 mp_size=self.engine.mp_world_size)
+        except CheckpointError as exc:
+            explained = exc if universal else completeness.explain_missing(load_dir, self.tag, exc)
+            if explained is exc:
+                raise
+            raise explained from exc
+        if not universal and saved.reader is None:  # a folder a converter made carries the source's records
+            completeness.check_complete(load_dir, self.tag, saved.meta)
         check_module(saved.saved_shapes(), self.engine.module, self.strict, saved.model_path)
         self.module_values = self._local(saved.module_values())
         if saved.per_rank:
@@ -203,6 +212,8 @@ def load(engine,
          custom_load_fn=None):
     """See the module docstring; returns ``(model-states path, client_state)`` or ``(None, None)``."""
     check_stage(engine, "load_checkpoint")
+    if engine.checkpoint_engine.is_decoupled():  # a save still written behind training finishes first
+        engine.checkpoint_engine.wait()
     group = agreement_group(engine)
     plan = _Load(engine, load_module_strict, load_optimizer_states, load_module_only, custom_load_fn)
     expert_checkpoint.check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, load_module_strict)

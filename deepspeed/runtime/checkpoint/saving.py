@@ -31,11 +31,12 @@ import uuid
 
 import deepspeed.comm as dist
 from deepspeed.runtime import expert_checkpoint
-from deepspeed.runtime.checkpoint import model_state, paths
+from deepspeed.runtime.checkpoint import completeness, model_state, paths
 from deepspeed.runtime.checkpoint.optimizer_state import export_scaler
 from deepspeed.runtime.checkpoint.stage_checkpoint import SaveContext, checkpoint_of
 from deepspeed.runtime.checkpoint.validate import agree, check_dir, check_tag
 from deepspeed.runtime.checkpoint.writer import SaveWriter, atomic_copy
+from deepspeed.runtime.checkpoint_engine.staging import stage_to_host
 from deepspeed.runtime.checkpoint_tag_validation import resolve_tag
 from deepspeed.utils.logging import logger
 
@@ -79,9 +80,13 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True, exclud
     if engine.mp_world_size > 1 and getattr(engine._config, "checkpoint_save_format", "native") == "upstream":
         raise NotImplementedError("checkpoint.save_format 'upstream' with tensor parallelism is not supported; save "
                                   "the native format (upstream's file names per tensor-parallel rank)")
+    ckpt_engine = engine.checkpoint_engine
+    decoupled = ckpt_engine.is_decoupled()
     group = agreement_group(engine)
     rank = engine.global_rank
     error = None
+    if decoupled:  # one save at a time: the previous one is written and committed (its failure raises here)
+        ckpt_engine.wait()
     try:
         save_dir, tag, client_state = _local_checks(engine, save_dir, tag, client_state)
     except Exception as exc:
@@ -90,38 +95,93 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True, exclud
     tag = resolve_tag([t for t, _ in agreed], dist.get_rank(group=group), engine._config)  # tag_validation decides
     save_id = agreed[0][1]
 
-    writer = SaveWriter()
     upstream = getattr(engine._config, "checkpoint_save_format", "native") == "upstream"
     # upstream's layout: this package's files go to a hidden folder first, from which rank 0 writes upstream's
     native_root = os.path.join(save_dir, f".{tag}.native-{save_id[:12]}") if upstream else save_dir
+    commit_group = ckpt_engine.commit_group() if decoupled else group
+    writer = SaveWriter(ckpt_engine, defer=decoupled)
     error = None
     try:
-        _write_files(engine, writer, native_root, tag, client_state, exclude_frozen_parameters, save_id, rank)
+        if rank == 0 and not upstream:
+            os.makedirs(paths.tag_dir(save_dir, tag), exist_ok=True)
+            completeness.remove_mark(save_dir, tag)  # a save into an existing tag: incomplete until committed
+        _write_files(engine,
+                     writer,
+                     native_root,
+                     tag,
+                     client_state,
+                     exclude_frozen_parameters,
+                     save_id,
+                     rank,
+                     complete_mark=not upstream)
+    except Exception as exc:
+        error = exc
+    commit = _Commit(save_dir, tag, save_id, save_latest, upstream, native_root, rank)
+    if not decoupled:
+        commit(writer, error, group)
+        return True
+    # decoupled: the ranks agree that staging went well, then the writes and the commit go behind training
+    staged = None
+    try:
+        if error is None:
+            paths_, payloads = zip(*writer.deferred) if writer.deferred else ((), ())
+            staged = list(zip(paths_, stage_to_host(list(payloads))))
     except Exception as exc:
         error = exc
     agree(error, None, group)
-    if upstream:
-        error = None
-        if rank == 0:
-            try:
-                _write_upstream(native_root, save_dir, tag)
-            except Exception as exc:
-                error = exc
-        agree(error, None, group)
-
-    error = None
-    if rank == 0:
-        try:
-            if save_latest:
-                writer.write_text(tag, paths.latest_path(save_dir))
-            _copy_recovery_script(save_dir)
-        except Exception as exc:
-            error = exc
-    agree(error, None, group)
+    writer.deferred = None
+    import torch.distributed as torch_dist
+    ckpt_engine.submit(lambda: commit(writer, None, commit_group, staged, torch_dist))
     return True
 
 
-def _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_parameters, save_id, rank):
+class _Commit:
+    """The end of a save on one rank: the files written, the ranks agree, rank 0 converts (upstream format), writes
+    the completeness mark and ``latest``, the ranks agree again. Runs in ``save_checkpoint`` or on the decoupled
+    writer's thread (``staged`` files to write first, ``comm``/``group`` of the writer's own)."""
+
+    def __init__(self, save_dir, tag, save_id, save_latest, upstream, native_root, rank):
+        self.save_dir, self.tag, self.save_id, self.save_latest = save_dir, tag, save_id, save_latest
+        self.upstream, self.native_root, self.rank = upstream, native_root, rank
+
+    def __call__(self, writer, error, group, staged=None, comm=None):
+        if staged is not None:
+            try:
+                writer.write_deferred(staged)
+            except Exception as exc:
+                error = exc
+            staged.clear()  # the host copies go as soon as they are on disk
+        agree(error, None, group, comm)  # every rank's files are durable (each was synced before its rename)
+        if self.upstream:
+            error = None
+            if self.rank == 0:
+                try:
+                    _write_upstream(self.native_root, self.save_dir, self.tag)
+                except Exception as exc:
+                    error = exc
+            agree(error, None, group, comm)
+        error = None
+        if self.rank == 0:
+            try:
+                if not self.upstream:
+                    completeness.write_mark(self.save_dir, self.tag, self.save_id)
+                if self.save_latest:
+                    writer.write_text(self.tag, paths.latest_path(self.save_dir))
+                _copy_recovery_script(self.save_dir)
+            except Exception as exc:
+                error = exc
+        agree(error, None, group, comm)
+
+
+def _write_files(engine,
+                 writer,
+                 save_dir,
+                 tag,
+                 client_state,
+                 exclude_frozen_parameters,
+                 save_id,
+                 rank,
+                 complete_mark=False):
     """Write the files the engine's stage lists for this rank (see ``stage_checkpoint``)."""
     stage = checkpoint_of(engine)
 
@@ -146,7 +206,8 @@ def _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_par
         exclude_frozen_parameters=exclude_frozen_parameters,
         scaler=export_scaler(engine),
         ds_config=engine.config,
-        build_model_states=build_model_states)
+        build_model_states=build_model_states,
+        complete_mark=complete_mark)
     directory = paths.tag_dir(save_dir, tag)
     os.makedirs(directory, exist_ok=True)
     for name, payload in stage.checkpoint_files(save):

@@ -53,10 +53,13 @@ class SaveContext:
     ds_config: dict
     build_model_states: Callable  # (groups, meta, optimizer=None, module=None) -> dict
     mp_rank: int = 0  # this rank's tensor-parallel rank: its files are named mp_rank_{mp_rank:02d}
+    complete_mark: bool = False  # the save writes the tag's completeness mark (``completeness``)
 
     def meta(self, zero_stage, **extra):
         """The ``ds_checkpoint_meta`` entry of a stage with an optimizer (``extra``: stage-specific keys)."""
         meta = dict(save_id=self.save_id, zero_stage=zero_stage, has_optimizer=True, bf16=self.bf16, fp16=self.fp16)
+        if self.complete_mark:
+            meta["complete_mark"] = True
         meta.update(extra)
         return meta
 

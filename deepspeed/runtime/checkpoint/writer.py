@@ -5,6 +5,9 @@ A file is written under a temporary name in its final directory, flushed to disk
 renamed over the final name (``os.replace``, atomic on POSIX): a reader sees either
 the previous file or the complete new one, never a partial file under a checkpoint
 name. A crash leaves at most a ``.<name>.tmp-*`` file behind, which loaders ignore.
+``torch.save`` writes through a file object of ``checkpoint_engine.file_writers``, so that a
+failed write raises the operating system's error (``No space left on device`` and the path),
+not torch's account of it.
 
 Test hook: with ``DS_CHECKPOINT_TEST_PAUSE_AFTER_FILES=<n>`` in a rank's environment,
 its :class:`SaveWriter` sleeps forever once it has written ``n`` files of one save
@@ -16,8 +19,6 @@ the pause begins.
 import os
 import sys
 import time
-
-import torch
 
 from deepspeed.runtime.checkpoint.paths import temp_path
 
@@ -56,9 +57,32 @@ def _atomic(path, write):
     _fsync_dir(os.path.dirname(path) or ".")
 
 
+def atomic_serialize(obj, path, open_file, zipfile=True):
+    """``torch.save(obj)`` to ``path`` atomically, through the file object ``open_file(temporary path)`` returns
+    (``checkpoint_engine.file_writers``: it syncs when closed); a failure raises the operating system's error."""
+    from deepspeed.runtime.checkpoint_engine.file_writers import serialize
+    tmp = temp_path(path)
+    try:
+        try:
+            serialize(obj, open_file(tmp), zipfile)
+            os.replace(tmp, path)
+        except OSError as exc:  # named by the checkpoint file, not its temporary name
+            if exc.errno is None or exc.filename == path:
+                raise
+            raise OSError(exc.errno, exc.strerror, path) from exc
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
 def atomic_torch_save(obj, path):
-    """``torch.save(obj)`` to ``path``, atomically."""
-    _atomic(path, lambda handle: torch.save(obj, handle))
+    """``torch.save(obj)`` to ``path``, atomically (zipfile format)."""
+    from deepspeed.runtime.checkpoint_engine.file_writers import PythonFileWriter
+    atomic_serialize(obj, path, PythonFileWriter)
 
 
 def atomic_write_text(text, path):
@@ -77,17 +101,40 @@ def atomic_copy(source, path):
 
 
 class SaveWriter:
-    """Writes the files of one save on one rank and counts them for the test pause hook."""
+    """Writes the files of one save on one rank and counts them for the test pause hook.
 
-    def __init__(self):
+    ``checkpoint_engine`` (a ``CheckpointEngine``) writes each file; None: :func:`atomic_torch_save`. With
+    ``defer``, :meth:`save` only collects ``(path, payload)`` in :attr:`deferred`; a background writer stages them
+    and calls :meth:`write_deferred` later (the pause hook then pauses that writer).
+    """
+
+    def __init__(self, checkpoint_engine=None, defer=False):
         value = os.environ.get(PAUSE_AFTER_FILES_ENV)
         self._pause_after = int(value) if value not in (None, "") else None
+        self._engine = checkpoint_engine
         self.written = []
-        self._maybe_pause()
+        self.deferred = [] if defer else None
+        if not defer:
+            self._maybe_pause()
 
     def save(self, obj, path):
-        atomic_torch_save(obj, path)
+        if self.deferred is not None:
+            self.deferred.append((path, obj))
+            return
+        self._write(obj, path)
+
+    def _write(self, obj, path):
+        if self._engine is None:
+            atomic_torch_save(obj, path)
+        else:  # now, on this thread (a decoupled engine's own ``save`` would hand it to another writer thread)
+            getattr(self._engine, "write_file", self._engine.save)(obj, path)
         self._wrote(path)
+
+    def write_deferred(self, files):
+        """Write ``[(path, payload)]`` now (on the background writer's thread)."""
+        self._maybe_pause()
+        for path, obj in files:
+            self._write(obj, path)
 
     def write_text(self, text, path):
         atomic_write_text(text, path)

@@ -71,7 +71,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True, exclud
     agreed = agree(error, (str(tag), uuid.uuid4().hex))
     tag = validate_tag([t for t, _ in agreed], rank, engine._config)
     save_id = agreed[0][1]
-    writer = SaveWriter()
+    writer = SaveWriter(engine.checkpoint_engine)  # the configured writer (synchronous: decoupled is refused)
     error = None
     try:
         _write_files(engine, writer, save_dir, tag, client_state, exclude_frozen_parameters, save_id)

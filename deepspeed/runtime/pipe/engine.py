@@ -911,6 +911,11 @@ def _check_config(cfg, model, kwargs):
     if not cfg.managed_gradient_accumulation:
         raise NotImplementedError("managed_gradient_accumulation=false is not supported with pipeline parallelism: "
                                   "train_batch() runs a whole batch")
+    writer = (cfg.checkpoint_config or {}).get("writer")
+    if writer is not None and writer.get("decoupled"):
+        raise NotImplementedError("checkpoint.writer.decoupled (checkpoints written behind training) is not supported "
+                                  "with pipeline parallelism: a pipeline engine writes its layer files synchronously; "
+                                  "see docs/compatibility.md")
     chunks = pipeline["virtual_stages"] if name == "interleaved_1f1b" else 1
     check_schedule_support(name, model, cfg, chunks)
     if chunks != model._chunks:

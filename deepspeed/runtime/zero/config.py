@@ -122,8 +122,6 @@ class DeepSpeedZeroConfig(ConfigSection):
     zero_quantized_nontrainable_weights: bool = config_field(False, parse=boolean())
     zero_quantized_gradients: bool = config_field(False, parse=boolean())
     zeropp_loco_param: Optional[dict] = config_field(None, parse=optional(mapping()))
-    mics_shard_size: int = config_field(-1, parse=integer(minimum=-1))
-    mics_hierarchical_params_gather: bool = config_field(False, parse=boolean())
     memory_efficient_linear: bool = config_field(True, parse=boolean())
     pipeline_loading_checkpoint: bool = config_field(False, parse=boolean())
     override_module_apply: bool = config_field(True, parse=boolean())
@@ -252,6 +250,10 @@ def _migrate_cpu_offload(values, spelled, path, old_key, new_key, new_cls):
     values[new_key] = new_cls(device=OffloadDeviceEnum.cpu, pin_memory=bool(values.get("cpu_offload_use_pin_memory")))
 
 
+# MiCS keys: refused whatever their value (see ``get_zero_config``)
+REMOVED_MICS_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather")
+
+
 def get_zero_config(param_dict: dict) -> DeepSpeedZeroConfig:
     """Parse ``param_dict["zero_optimization"]`` (absent means stage 0).
 
@@ -259,6 +261,13 @@ def get_zero_config(param_dict: dict) -> DeepSpeedZeroConfig:
     taken from the top-level ``allgather_size`` (default 5e8); ``false`` means stage 0.
     """
     raw = param_dict.get(ZERO_OPTIMIZATION)
+    if isinstance(raw, dict):
+        for key in REMOVED_MICS_KEYS:
+            if key in raw:  # any value, as upstream 0.19.8 refuses them
+                raise DeepSpeedConfigError(
+                    f"config key '{ZERO_OPTIMIZATION}.{key}': MiCS ZeRO-3 sharding has been removed (upstream "
+                    f"DeepSpeed 0.19.8 refuses the key as well); remove it: ZeRO-3 shards over the whole "
+                    f"data-parallel group; see docs/compatibility.md")
     if isinstance(raw, bool):
         logger.warning(f"config key '{ZERO_OPTIMIZATION}' as a boolean is deprecated; use "
                        f"\"{ZERO_OPTIMIZATION}\": {{\"stage\": N, ...}}")

@@ -6,8 +6,12 @@ saves the tag ``good``, trains one more step and saves ``bad`` with the test hoo
 ``DS_CHECKPOINT_TEST_PAUSE_AFTER_FILES`` set on one rank: that rank stops after writing
 that many files and is SIGKILLed (then the other, blocked in the save's agreement). Then
 ``latest`` still names ``good``, and a fresh engine loads it (through the pool) with the
-fp32 values it had when it was saved; an explicit load of ``bad`` fails, naming the file
-the killed rank did not write.
+fp32 values it had when it was saved; an explicit load of ``bad`` is refused as incomplete
+(no completeness mark).
+
+The decoupled cell does the same with ``checkpoint.writer.decoupled``: the pause hits the victim's
+writer thread, both ranks train on (their training collectives run while the write is stuck), and
+the survivor's writer waits in the commit for the victim's.
 """
 
 import os
@@ -40,7 +44,14 @@ def _fp32_values(engine):
     return {key: value for key, value in snap.items() if key.startswith("fp32/")}
 
 
-def child_main(save_dir, rank, port, victim, pause_after, marker):
+def _config(decoupled):
+    cfg = common.make_config(1, "fp32")
+    if decoupled:
+        cfg["checkpoint"] = {"writer": {"type": "python", "decoupled": True}}
+    return cfg
+
+
+def child_main(save_dir, rank, port, victim, pause_after, marker, decoupled=False):
     """One rank of the crashing job (run as ``python -m tests.unit.checkpoint.test_checkpoint_crash``)."""
     os.environ.update(RANK=str(rank),
                       WORLD_SIZE=str(WORLD),
@@ -51,9 +62,11 @@ def child_main(save_dir, rank, port, victim, pause_after, marker):
     torch.set_num_threads(1)
     from deepspeed.runtime.checkpoint.writer import PAUSE_AFTER_FILES_ENV, PAUSE_MARKER_ENV
     common.attach_checkpointing()
-    engine = common.build_engine(common.make_config(1, "fp32"), seed=0)
+    engine = common.build_engine(_config(decoupled), seed=0)
     common.train(engine, 2, 0, rank)
     engine.save_checkpoint(save_dir, tag="good")
+    if decoupled:
+        engine.checkpoint_engine.wait()
     values = _fp32_values(engine)
     if rank == 0:
         torch.save(values, os.path.join(save_dir, "good_values.pt"))
@@ -62,6 +75,12 @@ def child_main(save_dir, rank, port, victim, pause_after, marker):
         os.environ[PAUSE_AFTER_FILES_ENV] = str(pause_after)
         os.environ[PAUSE_MARKER_ENV] = marker
     engine.save_checkpoint(save_dir, tag="bad")
+    if decoupled:  # training goes on while the victim's writer is stuck
+        common.train(engine, 2, 3, rank)
+        with open(f"{marker}.trained{rank}", "w"):
+            pass
+        while True:
+            time.sleep(3600)
     raise SystemExit("the save was expected to pause on the victim rank")
 
 
@@ -73,7 +92,7 @@ def _logs(paths):
     return "\n".join(out)
 
 
-def _run_crashing_job(save_dir, victim, pause_after, work):
+def _run_crashing_job(save_dir, victim, pause_after, work, decoupled=False):
     marker = os.path.join(work, "paused")
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -88,7 +107,8 @@ def _run_crashing_job(save_dir, victim, pause_after, work):
                         str(rank),
                         str(port),
                         str(victim),
-                        str(pause_after), marker
+                        str(pause_after), marker,
+                        str(int(decoupled))
                     ],
                                      cwd=REPO,
                                      env=env,
@@ -96,7 +116,8 @@ def _run_crashing_job(save_dir, victim, pause_after, work):
                                      stderr=subprocess.STDOUT,
                                      start_new_session=True))
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not os.path.exists(marker):
+        expected = [marker] + ([f"{marker}.trained{rank}" for rank in range(WORLD)] if decoupled else [])
+        while not all(os.path.exists(path) for path in expected):
             if time.monotonic() > deadline:
                 raise AssertionError(f"the victim rank did not pause within {START_TIMEOUT_S} s\n{_logs(logs)}")
             if any(p.poll() is not None for p in procs):
@@ -113,26 +134,27 @@ def _run_crashing_job(save_dir, victim, pause_after, work):
     return _logs(logs)
 
 
-def load_after_crash_worker(save_dir, broken_file):
+def load_after_crash_worker(save_dir, decoupled):
     from deepspeed.runtime.checkpoint import CheckpointError
     common.attach_checkpointing()
-    engine = common.build_engine(common.make_config(1, "fp32"), seed=3)
+    engine = common.build_engine(_config(decoupled), seed=3)
     path, _ = engine.load_checkpoint(save_dir)
     assert path == os.path.join(save_dir, "good", "mp_rank_00_model_states.pt"), path
     expected = torch.load(os.path.join(save_dir, "good_values.pt"))
     bad = common.differences(expected, _fp32_values(engine))
     assert not bad, bad
-    with pytest.raises(CheckpointError, match=broken_file):
+    with pytest.raises(CheckpointError, match="bad: incomplete checkpoint: the save of tag 'bad' did not finish"):
         engine.load_checkpoint(save_dir, tag="bad")
     engine.destroy()
     return True
 
 
-@pytest.mark.parametrize("victim,pause_after", [(0, 1), (1, 0)], ids=["rank0-after-model-states", "rank1-before-any"])
-def test_killed_rank_mid_save_leaves_previous_checkpoint(tmp_path, victim, pause_after):
+@pytest.mark.parametrize("victim,pause_after,decoupled", [(0, 1, False), (1, 0, True)],
+                         ids=["rank0-after-model-states", "decoupled-rank1-before-any"])
+def test_killed_rank_mid_save_leaves_previous_checkpoint(tmp_path, victim, pause_after, decoupled):
     save_dir = str(tmp_path / "ckpt")
     os.makedirs(save_dir)
-    logs = _run_crashing_job(save_dir, victim, pause_after, str(tmp_path))
+    logs = _run_crashing_job(save_dir, victim, pause_after, str(tmp_path), decoupled)
     assert "pausing after" in logs
     with open(os.path.join(save_dir, "latest")) as handle:
         assert handle.read() == "good"
@@ -142,10 +164,11 @@ def test_killed_rank_mid_save_leaves_previous_checkpoint(tmp_path, victim, pause
     else:
         assert OPTIM.format(1) not in written, written
     assert not [name for name in written if ".tmp-" in name], written
-    assert run_distributed(load_after_crash_worker, WORLD, args=(save_dir, OPTIM.format(victim)),
-                           timeout=60) == [True] * WORLD
+    assert ".ds_complete" not in written and os.path.exists(os.path.join(save_dir, "good", ".ds_complete"))
+    assert run_distributed(load_after_crash_worker, WORLD, args=(save_dir, decoupled), timeout=60) == [True] * WORLD
 
 
 if __name__ == "__main__":
-    directory, rank_arg, port_arg, victim_arg, pause_arg, marker_arg = sys.argv[1:7]
-    child_main(directory, int(rank_arg), int(port_arg), int(victim_arg), int(pause_arg), marker_arg)
+    directory, rank_arg, port_arg, victim_arg, pause_arg, marker_arg, decoupled_arg = sys.argv[1:8]
+    child_main(directory, int(rank_arg), int(port_arg), int(victim_arg), int(pause_arg), marker_arg,
+               bool(int(decoupled_arg)))

@@ -84,7 +84,7 @@ def load_options_worker(tmp, stage, dtype):
         assert torch.equal(param.detach(), model[name].float()), name
     eval_dir = os.path.join(tmp, "eval")
     evaluator.save_checkpoint(eval_dir)
-    assert sorted(os.listdir(os.path.join(eval_dir, "global_step3"))) == ["mp_rank_00_model_states.pt"]
+    assert sorted(os.listdir(os.path.join(eval_dir, "global_step3"))) == [".ds_complete", "mp_rank_00_model_states.pt"]
     engine, _ = fresh()
     with pytest.raises(CheckpointError, match="holds no optimizer state"):
         engine.load_checkpoint(eval_dir)

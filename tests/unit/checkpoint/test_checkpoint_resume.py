@@ -217,7 +217,7 @@ def resume_worker(tmp, stage, dtype, gas, offload=False):
     assert not bad, f"rank {rank}: resumed run differs from the uninterrupted one: {bad}"
     if dtype == "fp16":  # halved at step 1, doubled at steps 3 and 5 (window 2): the scaler's window was restored
         assert actual["loss_scaler"]["cur_scale"] == 2.0**(LOSS_SCALE_POWER + 1), actual["loss_scaler"]
-    return sorted(os.listdir(os.path.join(tmp, "global_step3")))
+    return sorted(n for n in os.listdir(os.path.join(tmp, "global_step3")) if not n.startswith("."))
 
 
 def _cells():

@@ -65,7 +65,7 @@ def resume_worker(tmp, dtype, gas, small_units):
     assert not bad, f"rank {rank}: resumed run differs from the uninterrupted one: {bad}"
     if dtype == "fp16":
         assert actual["loss_scaler"]["cur_scale"] == 2.0**(common.LOSS_SCALE_POWER + 1), actual["loss_scaler"]
-    return sorted(os.listdir(os.path.join(tmp, "global_step3")))
+    return sorted(n for n in os.listdir(os.path.join(tmp, "global_step3")) if not n.startswith("."))
 
 
 RESUME_CELLS = [("fp32", 1, True), ("fp32", 2, True), ("bf16", 2, True), ("fp16", 1, True), ("bf16", 1, False)]

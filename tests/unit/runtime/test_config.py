@@ -244,7 +244,6 @@ def test_dict_section_defaults(section, key, expected):
     ("zero_hpz_partition_size", 1),
     ("zero_quantized_weights", False),
     ("zero_quantized_gradients", False),
-    ("mics_shard_size", -1),
     ("use_multi_rank_bucket_allreduce", True),
     ("stage3_module_granularity_threshold", 0),
     ("stage3_use_all_reduce_for_fetch_params", False),

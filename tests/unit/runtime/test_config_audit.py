@@ -38,6 +38,9 @@ REFUSED = {
     "progressive_layer_drop": ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}},
                                {"progressive_layer_drop": {"enabled": False}}),
     "nebula": ({"nebula": {"enabled": True}}, {"nebula": {"enabled": False}}),
+    "datastates_ckpt": ({"datastates_ckpt": {"persist": True}}, {"datastates_ckpt": False}),
+    "checkpoint.writer.type": ({"checkpoint": {"writer": {"type": "mock"}}},
+                               {"checkpoint": {"writer": {"type": "fast"}}}),
     "use_data_before_expert_parallelism": ({"use_data_before_expert_parallelism": True},
                                            {"use_data_before_expert_parallelism": False}),
     "checkpoint.use_node_local_storage": ({"checkpoint": {"use_node_local_storage": True}},
@@ -49,7 +52,6 @@ REFUSED = {
 
 NO_EFFECT = {
     "datastates": {"datastates": {"enabled": True}},
-    "disable_python_gc": {"disable_python_gc": True},
     "dump_state": {"dump_state": True},
     "seq_parallel_communication_data_type": {"seq_parallel_communication_data_type": "bf16"},
     "seq_parallel_comm_data_type": {"seq_parallel_comm_data_type": "fp16"},

@@ -17,8 +17,6 @@ NOT_BUILT = [
      "offload_states"),
     ("deepspeed.runtime.comm.coalesced_collectives", "all_to_all_quant_reduce", lambda f: f([], {}), "qgZ"),
     ("deepspeed.runtime.zero.partition_parameters", "CUDAQuantizer", lambda c: c(), "qwZ"),
-    ("deepspeed.runtime.checkpoint_engine", "FastCheckpointEngine", lambda c: c(None, None, False), "fast"),
-    ("deepspeed.runtime.checkpoint_engine", "DecoupledCheckpointEngine", lambda c: c(None, None, False), "decoupled"),
     ("deepspeed.runtime.checkpoint_engine", "DataStatesCheckpointEngine", lambda c: c(), "DataStates"),
     ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", lambda c: c(None, None, None), "deepspeed.initialize"),
     ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer", lambda c: c(None), "deepspeed.initialize"),

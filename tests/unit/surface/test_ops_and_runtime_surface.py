@@ -156,9 +156,12 @@ def test_torch_checkpoint_engine_round_trip(tmp_path):
     loaded = engine.load(path)
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
     assert engine.is_data_parallel_writer(0) and not engine.is_data_parallel_writer(1) and not engine.is_decoupled()
+    from deepspeed.runtime.checkpoint_engine import DecoupledCheckpointEngine, FastCheckpointEngine
     writer = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"writer": {}}})
-    with pytest.raises(NotImplementedError, match="fast checkpoint writer"):
-        create_checkpoint_engine(writer, None, 0, False, False)
+    assert type(create_checkpoint_engine(writer, None, 0, False, False)) is FastCheckpointEngine
+    decoupled = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"writer": {"decoupled": True}}})
+    assert create_checkpoint_engine(decoupled, None, 0, False, False).is_decoupled()
+    assert isinstance(create_checkpoint_engine(decoupled, None, 0, False, False), DecoupledCheckpointEngine)
 
 
 def test_deepspeed_config_model_deprecations():
