@@ -28,20 +28,7 @@ KEYS_FILE = os.path.join(HERE, "upstream_schema", "upstream_config_keys.json")
 WRONG_TYPE = [["not a value of any key's type"]]
 
 IN_PROGRESS = {
-    "activation_checkpointing": "honoured by the activation checkpointing area (memory keys)",
-    "bf16.bf16_optimizer_states": "honoured by the low-precision optimizer state area",
-    "bf16.bf16_master_weights_and_grads": "honoured by the low-precision optimizer state area",
-    "bfloat16.bf16_optimizer_states": "honoured by the low-precision optimizer state area",
-    "bfloat16.bf16_master_weights_and_grads": "honoured by the low-precision optimizer state area",
-    "fp16.fp16_master_weights_and_grads": "honoured by the low-precision optimizer state area",
-    "data_types.keep_in_fp32_modules": "honoured by the keep_in_fp32_modules area",
-    "zero_optimization.zero_quantized_weights": "honoured by the ZeRO++ area",
-    "zero_optimization.zero_quantized_nontrainable_weights": "honoured by the ZeRO++ area",
-    "zero_optimization.zero_quantized_gradients": "honoured by the ZeRO++ area",
-    "zero_optimization.zero_hpz_partition_size": "honoured by the ZeRO++ area",
-    "zero_optimization.zeropp_loco_param": "honoured by the ZeRO++ area",
     "compile": "honoured by the compile / DeepCompile area",
-    "zero_optimization.save_muon_momentum_buffer_in_memory": "honoured by the Muon area",
     "expert_parallel": "honoured by the expert parallel (AutoEP) area",
 }
 
