@@ -14,7 +14,8 @@
 #      limit; LAYERS=24 is the 1.3e9 reference model, which needs TOTAL=600), ZeRO-3 with parameters and optimizer
 #      on NVMe (benchmarks/systems.py, "+nvme": the same keys for both): this package, then upstream's ZeRO-Infinity
 #      on the same disk; then this package's CPU offload of the same model. Step time, GPU peak, host RSS (peak
-#      resident memory during the timed steps), first and last loss.
+#      resident memory during the timed steps), first and last loss;
+#   3. the ledger of this package's host buffers under NVMe offload (benchmarks/nvme_host_memory.py, a small model).
 #
 # Prepare once, in the repository root on the CPU machine (both folders are ignored by git and must be carried):
 #
@@ -33,7 +34,7 @@
 #       DISK_MB=64 bash benchmarks/nvme_bench.sh .whl-upstream .nvme-debs /tmp/nvme_smoke
 #
 # Files in OUT: summary.md (everything, in tables), disk.md, mechanisms.md, ours.jsonl, upstream.jsonl,
-# cpu_offload.jsonl, log.txt. libaio is unpacked under /tmp/libaio (never into /) and reaches upstream's JIT build
+# cpu_offload.jsonl, host_memory.json, log.txt. libaio is unpacked under /tmp/libaio (never into /) and reaches upstream's JIT build
 # through CPATH, LIBRARY_PATH, CFLAGS, LDFLAGS and LD_LIBRARY_PATH. NVME_DIR (default /var/tmp/nvme_bench: on the
 # disk, where /tmp may be a tmpfs) is the folder the runs swap into; the summary names its file system. STEPS (2)
 # timed steps after WARMUP (1). T_* cap the sections (s); each also gets no more than the time left before TOTAL.
@@ -56,6 +57,7 @@ T_BUILD=${T_BUILD:-70}
 T_OURS=${T_OURS:-60}
 T_UPSTREAM=${T_UPSTREAM:-110}
 T_CPU=${T_CPU:-30}
+T_LEDGER=${T_LEDGER:-25}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/ext}
 start=$(date +%s)
@@ -213,6 +215,14 @@ else
 fi
 run cpu_offload "$T_CPU" DS_BENCH_UPSTREAM=0 -- --systems ds_zero3+offload
 rm -rf "$NVME_DIR"/zero_stage_3 "$NVME_DIR"/zero_stage_[12]
+# -- 3. what this package's host memory holds: the ledger of its host buffers (a small model, the same keys scaled;
+# docs/offload.md, "What stays in host memory")
+if [ "$(limit "$T_LEDGER")" -ge 10 ]; then
+    say "== host memory ledger ($(elapsed) s)"
+    PYTHONPATH=$REPO timeout -k 5 "$(limit "$T_LEDGER")" python3 benchmarks/nvme_host_memory.py --device "$DEVICE" \
+        --nvme-path "$NVME_DIR" --out "$OUT/host_memory.json" >>"$LOG" 2>&1 || say "   the ledger ended with status $?"
+    rm -rf "$NVME_DIR"/zero_stage_3
+fi
 
 python3 - "$OUT" "$MODEL" >>"$SUMMARY" <<'EOF'
 import json, os, sys
@@ -235,6 +245,21 @@ for label, what in (("ours", "this package, parameters and optimizer on NVMe"),
         print(f"| {what} | {status} | {f('median_step_s', '.3f')} | {f('peak_mem_gib')} | {f('host_rss_gib')} | "
               f"{f('host_setup_rss_gib')} | {f('first_loss', '.4f')} | {f('final_loss', '.4f')} |")
 EOF
+if [ -s "$OUT/host_memory.json" ]; then
+    python3 - "$OUT/host_memory.json" >>"$SUMMARY" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"\n## This package's host buffers under NVMe offload (benchmarks/nvme_host_memory.py, {r['parameters']} "
+      f"parameters, the keys scaled by {r['scale']:.4f})\n")
+print("| buffer | bytes | bytes per element | page-locked |")
+print("| --- | ---: | ---: | --- |")
+for row in r["ledger"]:
+    print(f"| {row['what']} | {row['bytes']:,} | {row['bytes_per_element']} | {row['pinned']} |")
+print(f"\nRSS (GiB): after import {r['rss_import_gib']:.2f}, model {r['rss_model_gib']:.2f}, initialized "
+      f"{r['rss_initialized_gib']:.2f}, peak in steps {r['rss_steps_peak_gib']:.2f}; the caches at 0.5e9 "
+      f"elements: {r['caches_at_5e8_gib']}")
+EOF
+fi
 echo "- total $(elapsed) s" >>"$SUMMARY"
 cat "$SUMMARY"
 exit $failed

@@ -8,7 +8,7 @@ the GPU), world 1, and prints one JSON object: the resident size (``VmRSS``) aft
 what it is for, in bytes and bytes per element of the rank's partition (so the table scales to the benchmark's
 0.5e9 elements), page-locked or not. docs/offload.md ("What stays in host memory") has the table of the 0.5e9 run.
 
-    python benchmarks/nvme_host_memory.py --nvme-path /var/tmp/nvme_host --device cpu     # a small model, on CPU
+    python benchmarks/nvme_host_memory.py --nvme-path /var/tmp/nvme_host --device cpu --out OUT.json  # CPU, small
 """
 
 import argparse
@@ -96,6 +96,7 @@ def main():
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--gas", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--out", default=None, help="also write the JSON object to this file")
     parser.add_argument("--scale",
                         type=float,
                         default=None,
@@ -172,7 +173,11 @@ def main():
     report["caches_at_5e8_gib"] = full_scale_caches()
     report["ledger_gib"] = round(sum(n for _, n, _ in rows) / 2**30, 4)
     engine.destroy()
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
 
 
 if __name__ == "__main__":

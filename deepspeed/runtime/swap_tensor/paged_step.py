@@ -243,7 +243,7 @@ class PagedStep:
         master = host_step.masters[g]
         grad = master.grad
         numel = host_step.group_numel[g]
-        state = optimizer.state[master]
+        state = optimizer.state.setdefault(master, {})
         if swap is not None:
             held, rest = {}, dict(state)  # the per-element state is in the pages
         else:
@@ -293,7 +293,7 @@ class PagedStep:
             finally:
                 if view is not None:
                     swap.store.release(page, dirty=True)
-        state = optimizer.state[master]
+        state = optimizer.state.setdefault(master, {})
         state.clear()
         state.update(after)
         if swap is not None:

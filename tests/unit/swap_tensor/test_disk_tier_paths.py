@@ -280,3 +280,39 @@ def test_probe_fields():
     for optimizer, want in cases:
         assert set(probe_state_fields(optimizer, torch.float32, False)) == want, type(optimizer).__name__
         assert not optimizer.state, "the probe left state behind"
+
+
+def _resume(cell, root):
+    """Train 4 steps on NVMe saving after 2; a new engine (its own swap folder) loads and trains steps 3-4: the same
+    losses (the paged step's state round-trips through a checkpoint)."""
+    import deepspeed
+    os.environ["DS_OFFLOAD_OVERLAP"] = "1" if cell["pipelined"] else "0"
+
+    def run(folder, load):
+        for sub in ("optimizer", "param"):
+            os.makedirs(os.path.join(folder, sub), exist_ok=True)
+        torch.manual_seed(0)
+        engine = deepspeed.initialize(model=build_mlp(WIDTHS), config=_config(cell, folder))[0]
+        losses = []
+        try:
+            if load:
+                engine.load_checkpoint(os.path.join(root, "ckpt"))
+            for micro in range(4 if load else 0, 8):
+                x, y = make_batch(WIDTHS, 0, micro, dtype=torch.bfloat16)
+                loss = mse(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                if micro == 3 and not load:
+                    engine.save_checkpoint(os.path.join(root, "ckpt"))
+        finally:
+            engine.destroy()
+        return losses
+
+    full = run(os.path.join(root, "a"), False)
+    resumed = run(os.path.join(root, "b"), True)
+    assert full[4:] == resumed, (full, resumed)
+
+
+def test_checkpoint_resumes_exactly(tmp_path):
+    run_distributed(_resume, 1, args=(_cell(3, "lion", "bf16", "both", pipelined=False), str(tmp_path)), timeout=120)
