@@ -24,6 +24,15 @@ class OffloadDeviceEnum(str, Enum):
         return self.value
 
 
+class OffloadStateTypeEnum(str, Enum):
+    """The engine states ``engine.offload_states(include=...)`` names (upstream's members and values)."""
+    optim_states = "optim_states"  # the optimizer's state (Adam's moments)
+    hp_params = "hp_params"  # the fp32 master parameters
+    lp_params = "lp_params"  # the model's (16-bit) parameters or ZeRO-3 shards
+    lp_grads = "lp_grads"  # the window gradient (its partitions)
+    contiguous_grad_buffer = "contiguous_grad_buffer"  # staging buffers of the gradient reduction
+
+
 _device = one_of([device.value for device in OffloadDeviceEnum], convert=OffloadDeviceEnum)
 
 

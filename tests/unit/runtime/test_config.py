@@ -635,8 +635,6 @@ AUTO_CASES = [
     ({"gradient_clipping": "auto"}, "gradient_clipping"),
     ({"fp16.enabled": "auto"}, "fp16.enabled"),
     ({"bf16.enabled": "Auto"}, "bf16.enabled"),
-    ({f"{Z}.stage": 3, f"{Z}.stage3_prefetch_bucket_size": "auto"}, f"{Z}.stage3_prefetch_bucket_size"),
-    ({f"{Z}.offload_optimizer.device": "auto"}, f"{Z}.offload_optimizer.device"),
     ({"optimizer.type": "AdamW", "optimizer.params.lr": "auto"}, "optimizer.params.lr"),
     ({"optimizer.type": "AdamW", "optimizer.params.betas": [0.9, "auto"]}, "optimizer.params.betas[1]"),
     ({"scheduler.type": "WarmupLR", "scheduler.params.warmup_max_lr": "auto"}, "scheduler.params.warmup_max_lr"),
@@ -652,6 +650,17 @@ def test_auto_anywhere_raises(flat, path):
     message = str(info.value)
     assert f"config key '{path}' is 'auto'" in message
     assert "deepspeed.initialize" in message
+
+
+def test_auto_in_zero_optimization_is_the_default():
+    """Upstream's zero_optimization models drop an exact "auto": the key keeps its default (OpenRLHF's configs)."""
+    cfg = make({f"{Z}.stage": 3, f"{Z}.stage3_prefetch_bucket_size": "auto", f"{Z}.offload_optimizer.device": "auto",
+                f"{Z}.reduce_bucket_size": "auto"})
+    default = make({f"{Z}.stage": 3})
+    for key in ("prefetch_bucket_size", "reduce_bucket_size"):
+        assert getattr(cfg.zero_config, key) == getattr(default.zero_config, key), key
+    assert cfg.zero_config.offload_optimizer.device == "none"
+    assert cfg._param_dict["zero_optimization"]["reduce_bucket_size"] == "auto"  # the user's dict is kept
 
 
 def test_auto_where_upstream_gives_it_a_meaning():
