@@ -99,7 +99,7 @@ def _loose_section(name):
 
 # name -> accessor (self -> value); see the module docstring.
 CONFIG_ACCESSORS = {
-    "aio_config": _attr("aio_config"),
+    "aio_config": lambda self: _aio(self._config.aio_config),
     "bf16_master_weights_and_gradients": _attr("bfloat16_config.bf16_master_weights_and_grads"),
     "bf16_optimizer_states": _attr("bfloat16_config.bf16_optimizer_states"),
     "checkpoint_serialization_enabled": _checkpoint("checkpoint_serialization"),
@@ -110,7 +110,7 @@ CONFIG_ACCESSORS = {
     "dataloader_drop_last": _attr("dataloader_drop_last"),
     "dump_state": _attr("dump_state"),
     "dynamic_loss_scale": lambda self: self._config.float16_config.loss_scale == 0,
-    "dynamic_loss_scale_args": _attr("dynamic_loss_scale_args"),
+    "dynamic_loss_scale_args": lambda self: self._config.float16_config.dynamic_loss_scale_args(),
     "flops_profiler_enabled": _attr("flops_profiler_config.enabled"),
     "flops_profiler_module_depth": _attr("flops_profiler_config.module_depth"),
     "flops_profiler_output_file": _attr("flops_profiler_config.output_file"),
@@ -191,6 +191,13 @@ CONFIG_ACCESSORS = {
     "uses_parallelization_pass_only": lambda self: bool({"autosp", "autotp"} & set(self._compile_settings().passes)),
     "is_deepcompile_enabled": lambda self: self._compile_settings().deepcompile,
 }
+
+
+def _aio(section):
+    """The ``aio`` section under upstream 0.19.8's key names (``intra_op_parallelism``, once ``thread_count``)."""
+    out = dict(section)
+    out["intra_op_parallelism"] = out.pop("thread_count", 1)
+    return out
 
 
 def _offload_device(engine):

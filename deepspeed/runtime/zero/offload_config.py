@@ -49,7 +49,7 @@ class DeepSpeedZeroOffloadParamConfig(ConfigSection):
     buffer_count: int = config_field(5, parse=integer(minimum=0))
     buffer_size: int = config_field(int(1e8), parse=size())
     max_in_cpu: int = config_field(int(1e9), parse=size())
-    pin_memory: bool = config_field(False, parse=boolean())
+    pin_memory: bool = config_field(True, parse=boolean())  # upstream 0.19's default
 
     @classmethod
     def _finalize(cls, values, spelled, path):
@@ -63,7 +63,7 @@ class DeepSpeedZeroOffloadOptimizerConfig(ConfigSection):
     device: OffloadDeviceEnum = config_field(OffloadDeviceEnum.none, parse=_device)
     nvme_path: Optional[str] = config_field(None, parse=optional(filesystem_path()))
     buffer_count: int = config_field(4, parse=integer(minimum=0))
-    pin_memory: bool = config_field(False, parse=boolean())
+    pin_memory: bool = config_field(True, parse=boolean())  # upstream 0.19's default
     pipeline_read: bool = config_field(False, parse=boolean())
     pipeline_write: bool = config_field(False, parse=boolean())
     fast_init: bool = config_field(False, parse=boolean())
