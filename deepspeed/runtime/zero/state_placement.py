@@ -63,6 +63,17 @@ def _typed_view(like, storage, byte_offset):
     return torch.empty(0, dtype=like.dtype, device=storage.device).set_(storage, offset, like.size(), like.stride())
 
 
+def _pinned_bytes(numel):
+    """``numel`` page-locked bytes: exactly that many (an anonymous mapping, locked and registered with the
+    device runtime: ``deepspeed.utils.pin_memory``) where the locked-memory limit allows, else torch's pinned
+    allocator (which rounds up to a power of two)."""
+    from deepspeed.utils.pin_memory import get_native_pinned_memory
+    try:
+        return get_native_pinned_memory().pin_empty(torch.empty(0, dtype=torch.uint8), (numel, ))
+    except (OSError, RuntimeError, ValueError):
+        return torch.empty(numel, dtype=torch.uint8, pin_memory=True)
+
+
 class StatePlacement:
     """The moves of one engine's state table (see the module docstring)."""
 
@@ -70,6 +81,7 @@ class StatePlacement:
         self.device = torch.device(device)
         self._moved = {}  # storage key at offload time -> _Entry
         self._host = None  # the host buffer of the moved storages (uint8)
+        self._pinned = False
 
     # ----------------------------------------------------------------- queries
     def offloaded_kinds(self):
@@ -130,9 +142,14 @@ class StatePlacement:
             total += (entry.nbytes + ALIGN - 1) // ALIGN * ALIGN
         base = self._host_buffer(total, pin_memory)
         host_storage = base.untyped_storage()
+        # Every copy is issued asynchronously (into pinned memory they overlap nothing but each other, at the
+        # link's bandwidth); the host waits once, unless ``non_blocking``. Freeing a device storage right after
+        # its copy is issued is safe: the allocator hands its memory out again only to work ordered after it.
         for entry in chosen:
             host = base.narrow(0, entry.offset, entry.nbytes)
-            host.copy_(_bytes_view(entry.storage, self.device), non_blocking=non_blocking)
+            host.copy_(_bytes_view(entry.storage, self.device), non_blocking=self._pinned)
+        if not non_blocking:
+            self._synchronize()
         for entry in chosen:
             entry.device_views = [tensor.data for tensor in entry.tensors]
             for tensor in entry.tensors:
@@ -147,24 +164,28 @@ class StatePlacement:
         for entry in self._moved.values():
             entry.storage.resize_(entry.nbytes)
             host = self._host.narrow(0, entry.offset, entry.nbytes)
-            _bytes_view(entry.storage, self.device).copy_(host, non_blocking=non_blocking)
+            _bytes_view(entry.storage, self.device).copy_(host, non_blocking=self._pinned)
             for tensor, view in zip(entry.tensors, entry.device_views):
                 tensor.data = view
             entry.device_views = []
             moved += entry.nbytes
         self._moved = {}
-        if not non_blocking and self.device.type != "cpu":
-            get_accelerator().synchronize()
+        if not non_blocking:
+            self._synchronize()
         return moved
+
+    def _synchronize(self):
+        if self.device.type != "cpu":
+            get_accelerator().synchronize()
 
     def _host_buffer(self, numel, pin_memory):
         """The uint8 host buffer of ``numel`` bytes: the kept one where it fits and holds nothing; grown (the
         storages on the host already copied over and their tensors pointed at the copy) when it holds some."""
         pin = bool(pin_memory) and self.device.type != "cpu" and get_accelerator().is_available()
         keep = self._host
-        if keep is not None and not self._moved and keep.numel() >= numel and keep.is_pinned() == pin:
+        if keep is not None and not self._moved and keep.numel() >= numel and self._pinned == pin:
             return keep
-        fresh = torch.empty(numel, dtype=torch.uint8, pin_memory=pin)
+        fresh = _pinned_bytes(numel) if pin else torch.empty(numel, dtype=torch.uint8)
         if self._moved:
             if self.device.type != "cpu":  # copies into the kept buffer may still be in flight
                 get_accelerator().synchronize()
@@ -173,6 +194,7 @@ class StatePlacement:
                 for tensor, view in zip(entry.tensors, entry.device_views):
                     tensor.data = _typed_view(view, fresh.untyped_storage(), entry.offset)
         self._host = fresh
+        self._pinned = pin
         return fresh
 
 
