@@ -213,26 +213,43 @@ REFUSED = {
                  "sparse_allreduce_no_retain", "sparse_all_gather", "all_gather_scalar", "clip_fp32_gradients")
 }
 REFUSED.update({
-    "curriculum_learning_config": "curriculum learning (data_efficiency / curriculum_learning) is not built",
-    "data_efficiency_config": "data efficiency is not built",
-    "data_sampling_config": "data efficiency's data sampling is not built",
-    "random_ltd_config": "random-LTD (data efficiency) is not built",
-    "random_ltd_initialize": "random-LTD (data efficiency) is not built",
-    "set_custom_curriculum_learning_schedule": "curriculum learning is not built",
-    "set_data_post_process_func": "data efficiency's data post-processing is not built",
-    "get_optimizer_configuration": "upstream's optimizer-factory internals; the config's optimizer is built by "
+    "curriculum_learning_config":
+    "curriculum learning (data_efficiency / curriculum_learning) is not built",
+    "data_efficiency_config":
+    "data efficiency is not built",
+    "data_sampling_config":
+    "data efficiency's data sampling is not built",
+    "random_ltd_config":
+    "random-LTD (data efficiency) is not built",
+    "random_ltd_initialize":
+    "random-LTD (data efficiency) is not built",
+    "set_custom_curriculum_learning_schedule":
+    "curriculum learning is not built",
+    "set_data_post_process_func":
+    "data efficiency's data post-processing is not built",
+    "get_optimizer_configuration":
+    "upstream's optimizer-factory internals; the config's optimizer is built by "
     "deepspeed.runtime.optimizer_factory",
-    "load_moe_state_dict": "upstream's MoE checkpoint internals; engine.load_checkpoint loads expert states",
-    "get_autosp_backend": "DeepCompile's AutoSP pass is not built (engine.compile() runs torch.compile)",
-    "get_autotp_backend": "DeepCompile's AutoTP pass is not built (engine.compile() runs torch.compile)",
-    "get_deepcompile_backend": "DeepCompile's backend is not built: 'compile.deepcompile' runs engine.compile() "
+    "load_moe_state_dict":
+    "upstream's MoE checkpoint internals; engine.load_checkpoint loads expert states",
+    "get_autosp_backend":
+    "DeepCompile's AutoSP pass is not built (engine.compile() runs torch.compile)",
+    "get_autotp_backend":
+    "DeepCompile's AutoTP pass is not built (engine.compile() runs torch.compile)",
+    "get_deepcompile_backend":
+    "DeepCompile's backend is not built: 'compile.deepcompile' runs engine.compile() "
     "(torch.compile with the engine's hooks eager)",
-    "get_deepspeed_compile_backend": "DeepCompile's backend is not built: 'compile.deepcompile' runs "
+    "get_deepspeed_compile_backend":
+    "DeepCompile's backend is not built: 'compile.deepcompile' runs "
     "engine.compile() (torch.compile with the engine's hooks eager)",
-    "register_compile_pass": "DeepCompile's graph passes are not built (engine.compile() runs torch.compile)",
-    "get_compile_time": "DeepCompile's pass timings are not built",
-    "print_forward_breakdown": "upstream's forward timing printout; see wall_clock_breakdown",
-    "mem_status": "upstream's pipeline memory printout",
+    "register_compile_pass":
+    "DeepCompile's graph passes are not built (engine.compile() runs torch.compile)",
+    "get_compile_time":
+    "DeepCompile's pass timings are not built",
+    "print_forward_breakdown":
+    "upstream's forward timing printout; see wall_clock_breakdown",
+    "mem_status":
+    "upstream's pipeline memory printout",
 })
 
 

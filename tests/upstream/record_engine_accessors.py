@@ -72,32 +72,92 @@ def normalise(value):
 
 
 def _hf_templates():
-    fp16 = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-            "hysteresis": 2, "min_loss_scale": 1}
-    common = {
-        "fp16": fp16, "bf16": {"enabled": "auto"},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                   "weight_decay": "auto"}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                      "warmup_num_steps": "auto"}},
-        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
-        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    fp16 = {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1
     }
-    zero2 = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "allgather_partitions": True,
-             "allgather_bucket_size": 2e8, "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
-             "contiguous_gradients": True}
-    zero3 = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-             "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
-             "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
-             "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
-             "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-             "stage3_gather_16bit_weights_on_model_save": True}
-    zero3_gpu = {"stage": 3, "overlap_comm": True, "reduce_bucket_size": "auto",
-                 "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}
-    return [("hf-zero2-fp16", dict(common, zero_optimization=zero2), {"fp16": True}),
-            ("hf-zero3-bf16", dict(common, zero_optimization=zero3), {"bf16": True}),
-            ("hf-zero3-gpu-gas4", dict(common, zero_optimization=zero3_gpu), {"bf16": True,
-                                                                              "gradient_accumulation_steps": 4})]
+    common = {
+        "fp16": fp16,
+        "bf16": {
+            "enabled": "auto"
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": "auto",
+                "betas": "auto",
+                "eps": "auto",
+                "weight_decay": "auto"
+            }
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto"
+            }
+        },
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 2000,
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "wall_clock_breakdown": False,
+    }
+    zero2 = {
+        "stage": 2,
+        "offload_optimizer": {
+            "device": "cpu",
+            "pin_memory": True
+        },
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True
+    }
+    zero3 = {
+        "stage": 3,
+        "offload_optimizer": {
+            "device": "cpu",
+            "pin_memory": True
+        },
+        "offload_param": {
+            "device": "cpu",
+            "pin_memory": True
+        },
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True
+    }
+    zero3_gpu = {
+        "stage": 3,
+        "overlap_comm": True,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto"
+    }
+    return [("hf-zero2-fp16", dict(common, zero_optimization=zero2), {
+        "fp16": True
+    }), ("hf-zero3-bf16", dict(common, zero_optimization=zero3), {
+        "bf16": True
+    }),
+            ("hf-zero3-gpu-gas4", dict(common, zero_optimization=zero3_gpu), {
+                "bf16": True,
+                "gradient_accumulation_steps": 4
+            })]
 
 
 def _hf_filled():
@@ -107,9 +167,15 @@ def _hf_filled():
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
     out = []
     for name, template, overrides in _hf_templates():
-        args = TrainingArguments(output_dir="/tmp/hf_ds_corpus", per_device_train_batch_size=4,
-                                 learning_rate=3e-5, weight_decay=0.01, warmup_steps=7, max_grad_norm=0.5,
-                                 report_to=[], use_cpu=True, **overrides)
+        args = TrainingArguments(output_dir="/tmp/hf_ds_corpus",
+                                 per_device_train_batch_size=4,
+                                 learning_rate=3e-5,
+                                 weight_decay=0.01,
+                                 warmup_steps=7,
+                                 max_grad_norm=0.5,
+                                 report_to=[],
+                                 use_cpu=True,
+                                 **overrides)
         ds = HfTrainerDeepSpeedConfig(copy.deepcopy(template))
         ds.trainer_config_process(args)
         model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64, hidden_sizes=None))
@@ -120,61 +186,159 @@ def _hf_filled():
 
 def _openrlhf_train(stage, adam_offload, bf16, grad_accum_dtype, overlap_comm, micro, batch):
     """OpenRLHF's get_train_ds_config output, with the batch sizes its strategy adds."""
-    zero = {"stage": stage, "offload_param": {"device": "none"},
-            "offload_optimizer": {"device": "cpu" if adam_offload else "none", "pin_memory": True},
-            "sub_group_size": "auto", "stage3_max_live_parameters": "auto", "stage3_max_reuse_distance": "auto",
-            "stage3_param_persistence_threshold": "auto", "stage3_prefetch_bucket_size": "auto",
-            "reduce_bucket_size": "auto", "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
-            "zero_quantized_gradients": False}
+    zero = {
+        "stage": stage,
+        "offload_param": {
+            "device": "none"
+        },
+        "offload_optimizer": {
+            "device": "cpu" if adam_offload else "none",
+            "pin_memory": True
+        },
+        "sub_group_size": "auto",
+        "stage3_max_live_parameters": "auto",
+        "stage3_max_reuse_distance": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "reduce_bucket_size": "auto",
+        "zero_hpz_partition_size": 1,
+        "zero_quantized_weights": False,
+        "zero_quantized_gradients": False
+    }
     if overlap_comm:
         zero["overlap_comm"] = True
         zero["contiguous_gradients"] = True
     if stage == 3:
         zero["reduce_scatter"] = True
-    return {"steps_per_print": 100, "zero_optimization": zero, "bf16": {"enabled": bf16}, "gradient_clipping": 1.0,
-            "prescale_gradients": False, "wall_clock_breakdown": False,
-            "data_types": {"grad_accum_dtype": grad_accum_dtype}, "train_micro_batch_size_per_gpu": micro,
-            "train_batch_size": batch}
+    return {
+        "steps_per_print": 100,
+        "zero_optimization": zero,
+        "bf16": {
+            "enabled": bf16
+        },
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+        "data_types": {
+            "grad_accum_dtype": grad_accum_dtype
+        },
+        "train_micro_batch_size_per_gpu": micro,
+        "train_batch_size": batch
+    }
 
 
 def _openrlhf_eval(stage, offload, bf16, micro, batch):
-    zero = {"stage": stage, "stage3_max_live_parameters": "auto", "stage3_max_reuse_distance": "auto",
-            "stage3_param_persistence_threshold": "auto", "stage3_prefetch_bucket_size": "auto",
-            "offload_param": {"device": "cpu" if offload else "none", "pin_memory": True}}
-    return {"steps_per_print": 100, "zero_optimization": zero, "bf16": {"enabled": bf16}, "gradient_clipping": 1.0,
-            "prescale_gradients": False, "wall_clock_breakdown": False, "train_micro_batch_size_per_gpu": micro,
-            "train_batch_size": batch}
+    zero = {
+        "stage": stage,
+        "stage3_max_live_parameters": "auto",
+        "stage3_max_reuse_distance": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "offload_param": {
+            "device": "cpu" if offload else "none",
+            "pin_memory": True
+        }
+    }
+    return {
+        "steps_per_print": 100,
+        "zero_optimization": zero,
+        "bf16": {
+            "enabled": bf16
+        },
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+        "train_micro_batch_size_per_gpu": micro,
+        "train_batch_size": batch
+    }
 
 
 def _megatron():
-    fp16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1,
-            "initial_scale_power": 11}
+    fp16 = {
+        "enabled": True,
+        "loss_scale": 0,
+        "loss_scale_window": 500,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+        "initial_scale_power": 11
+    }
     return [
-        ("megatron-gpt-fp16-z1", {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
-                                  "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
-                                  "prescale_gradients": True, "fp16": fp16, "wall_clock_breakdown": False}),
-        ("megatron-bf16-fp32-accum", {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
-                                      "steps_per_print": 10, "zero_optimization": {"stage": 1},
-                                      "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
-                                      "wall_clock_breakdown": False}),
-        ("megatron-z3-hpz-bf16", {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1,
-                                  "gradient_accumulation_steps": 8,
-                                  "zero_optimization": {"stage": 3, "overlap_comm": True,
-                                                        "zero_hpz_partition_size": 1, "contiguous_gradients": True},
-                                  "gradient_clipping": 1.0, "prescale_gradients": False,
-                                  "communication_data_type": "bf16", "bf16": {"enabled": True},
-                                  "wall_clock_breakdown": False}),
-        ("megatron-llama-static-scale", {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1,
-                                         "steps_per_print": 1,
-                                         "zero_optimization": {"stage": 2, "reduce_bucket_size": 10000000,
-                                                               "reduce_scatter": True, "contiguous_gradients": True,
-                                                               "overlap_comm": True},
-                                         "gradient_clipping": 1.0, "prescale_gradients": False,
-                                         "fp16": dict(fp16, loss_scale=65536), "wall_clock_breakdown": True}),
-        ("bigscience-elastic", {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-                                "zero_optimization": {"stage": 1, "elastic_checkpoint": True}, "fp16": fp16,
-                                "steps_per_print": 100, "wall_clock_breakdown": True,
-                                "flops_profiler": {"enabled": False}}),
+        ("megatron-gpt-fp16-z1", {
+            "train_batch_size": 32,
+            "train_micro_batch_size_per_gpu": 4,
+            "steps_per_print": 10,
+            "zero_optimization": {
+                "stage": 1
+            },
+            "gradient_clipping": 1.0,
+            "prescale_gradients": True,
+            "fp16": fp16,
+            "wall_clock_breakdown": False
+        }),
+        ("megatron-bf16-fp32-accum", {
+            "train_batch_size": 16,
+            "train_micro_batch_size_per_gpu": 2,
+            "steps_per_print": 10,
+            "zero_optimization": {
+                "stage": 1
+            },
+            "bf16": {
+                "enabled": True
+            },
+            "data_types": {
+                "grad_accum_dtype": "fp32"
+            },
+            "wall_clock_breakdown": False
+        }),
+        ("megatron-z3-hpz-bf16", {
+            "train_batch_size": 8,
+            "train_micro_batch_size_per_gpu": 1,
+            "steps_per_print": 1,
+            "gradient_accumulation_steps": 8,
+            "zero_optimization": {
+                "stage": 3,
+                "overlap_comm": True,
+                "zero_hpz_partition_size": 1,
+                "contiguous_gradients": True
+            },
+            "gradient_clipping": 1.0,
+            "prescale_gradients": False,
+            "communication_data_type": "bf16",
+            "bf16": {
+                "enabled": True
+            },
+            "wall_clock_breakdown": False
+        }),
+        ("megatron-llama-static-scale", {
+            "train_batch_size": 4,
+            "train_micro_batch_size_per_gpu": 1,
+            "steps_per_print": 1,
+            "zero_optimization": {
+                "stage": 2,
+                "reduce_bucket_size": 10000000,
+                "reduce_scatter": True,
+                "contiguous_gradients": True,
+                "overlap_comm": True
+            },
+            "gradient_clipping": 1.0,
+            "prescale_gradients": False,
+            "fp16": dict(fp16, loss_scale=65536),
+            "wall_clock_breakdown": True
+        }),
+        ("bigscience-elastic", {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_clipping": 1.0,
+            "zero_optimization": {
+                "stage": 1,
+                "elastic_checkpoint": True
+            },
+            "fp16": fp16,
+            "steps_per_print": 100,
+            "wall_clock_breakdown": True,
+            "flops_profiler": {
+                "enabled": False
+            }
+        }),
     ]
 
 
@@ -196,7 +360,11 @@ def record(corpus_path, fixture_path):
     entries = json.load(open(corpus_path))
     for entry in entries:
         engine = DeepSpeedEngine.__new__(DeepSpeedEngine)
-        vars(engine).update(_parameters={}, _buffers={}, _modules={}, client_optimizer=None, optimizer=None,
+        vars(engine).update(_parameters={},
+                            _buffers={},
+                            _modules={},
+                            client_optimizer=None,
+                            optimizer=None,
                             _config=DeepSpeedConfig(entry["config"]))
         values = {}
         for name in ACCESSORS:

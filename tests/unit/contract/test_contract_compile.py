@@ -21,7 +21,6 @@ CELLS = [
         "module_twice", 1), ("mixed_submodule", 1), ("plain", 4)], ["torch", "engine"])
 ]
 
-
 # ``"compile": {"deepcompile": true}`` runs the same compiled path (engine.compile()); a ZeRO pass named in
 # ``passes`` is the config's own stage.
 _PASSES = {0: None, 1: ["z1"], 2: ["z1"], 3: ["z3"]}
@@ -30,8 +29,11 @@ CELLS += [
          shape="plain",
          gas=1,
          compile="engine",
-         zero_extra_top={"compile": dict({"deepcompile": True}, **({"passes": _PASSES[stage]} if _PASSES[stage] else {}))})
-    for stage in (0, 1, 2, 3)
+         zero_extra_top={
+             "compile": dict({"deepcompile": True}, **({
+                 "passes": _PASSES[stage]
+             } if _PASSES[stage] else {}))
+         }) for stage in (0, 1, 2, 3)
 ]
 
 
@@ -40,9 +42,7 @@ def _cell_id(c):
     return f"z{c['stage']}-{c['shape']}-gas{c['gas']}-{c['compile']}{deep}"
 
 
-@pytest.mark.parametrize("cell",
-                         CELLS,
-                         ids=[_cell_id(c) for c in CELLS])
+@pytest.mark.parametrize("cell", CELLS, ids=[_cell_id(c) for c in CELLS])
 def test_contract_compiled(cell):
     cell = dict(cell, dtype="fp32")
     if cell["stage"] == 3:
@@ -86,15 +86,42 @@ def deepcompile_keys_refused(section, stage):
 
 
 @pytest.mark.parametrize("section,stage,words", [
-    ({"deepcompile": True, "offload_activation": True}, 3, "compile.offload_activation"),
-    ({"deepcompile": True, "offload_opt_states": True}, 1, "compile.offload_opt_states"),
-    ({"deepcompile": True, "free_activation": True}, 2, "compile.free_activation"),
-    ({"deepcompile": True, "double_buffer": False}, 3, "compile.double_buffer"),
-    ({"deepcompile": True, "symmetric_memory": True}, 3, "compile.symmetric_memory"),
-    ({"deepcompile": True, "offload_parameters": True}, 3, "compile.offload_parameters"),
-    ({"deepcompile": True, "passes": ["autosp"]}, 3, "autosp"),
-    ({"deepcompile": True, "passes": ["z3"]}, 1, "zero_optimization.stage is 1"),
-    ({"deepcompile": True, "made_up": 1}, 0, "compile.made_up"),
+    ({
+        "deepcompile": True,
+        "offload_activation": True
+    }, 3, "compile.offload_activation"),
+    ({
+        "deepcompile": True,
+        "offload_opt_states": True
+    }, 1, "compile.offload_opt_states"),
+    ({
+        "deepcompile": True,
+        "free_activation": True
+    }, 2, "compile.free_activation"),
+    ({
+        "deepcompile": True,
+        "double_buffer": False
+    }, 3, "compile.double_buffer"),
+    ({
+        "deepcompile": True,
+        "symmetric_memory": True
+    }, 3, "compile.symmetric_memory"),
+    ({
+        "deepcompile": True,
+        "offload_parameters": True
+    }, 3, "compile.offload_parameters"),
+    ({
+        "deepcompile": True,
+        "passes": ["autosp"]
+    }, 3, "autosp"),
+    ({
+        "deepcompile": True,
+        "passes": ["z3"]
+    }, 1, "zero_optimization.stage is 1"),
+    ({
+        "deepcompile": True,
+        "made_up": 1
+    }, 0, "compile.made_up"),
 ])
 def test_deepcompile_keys_refused_by_name(section, stage, words):
     messages = run_distributed(deepcompile_keys_refused, 2, args=(section, stage), timeout=60)

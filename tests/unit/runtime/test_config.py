@@ -654,8 +654,12 @@ def test_auto_anywhere_raises(flat, path):
 
 def test_auto_in_zero_optimization_is_the_default():
     """Upstream's zero_optimization models drop an exact "auto": the key keeps its default (OpenRLHF's configs)."""
-    cfg = make({f"{Z}.stage": 3, f"{Z}.stage3_prefetch_bucket_size": "auto", f"{Z}.offload_optimizer.device": "auto",
-                f"{Z}.reduce_bucket_size": "auto"})
+    cfg = make({
+        f"{Z}.stage": 3,
+        f"{Z}.stage3_prefetch_bucket_size": "auto",
+        f"{Z}.offload_optimizer.device": "auto",
+        f"{Z}.reduce_bucket_size": "auto"
+    })
     default = make({f"{Z}.stage": 3})
     for key in ("prefetch_bucket_size", "reduce_bucket_size"):
         assert getattr(cfg.zero_config, key) == getattr(default.zero_config, key), key

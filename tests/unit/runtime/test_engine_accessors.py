@@ -20,7 +20,9 @@ from tests.upstream.record_engine_accessors import ACCESSORS, normalise
 
 # Fields of upstream's section objects for features not built here: setting them raises naming the key
 # (tests/unit/runtime/test_config.py), so the object holds no such field.
-NOT_BUILT_FIELDS = {"tensor_parallel_config.vocab_parallel_lm_head", "tensor_parallel_config.vocab_parallel_ce_backend"}
+NOT_BUILT_FIELDS = {
+    "tensor_parallel_config.vocab_parallel_lm_head", "tensor_parallel_config.vocab_parallel_ce_backend"
+}
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "engine_accessors_upstream.json")
 CONFIGS = json.load(open(FIXTURE))["configs"]

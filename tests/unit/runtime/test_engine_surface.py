@@ -80,9 +80,9 @@ def live_surface(stage):
             pipeline_error = None
         except AttributeError as error:
             pipeline_error = str(error)
-        return (unresolved, "PipelineEngine.train_batch" in pipeline_error and "_Model" not in pipeline_error,
-                engine.custom_value, engine.zero_optimization_partition_weights(), engine.get_data_parallel_rank(),
-                engine.loss_scale())
+        return (unresolved, "PipelineEngine.train_batch" in pipeline_error
+                and "_Model" not in pipeline_error, engine.custom_value, engine.zero_optimization_partition_weights(),
+                engine.get_data_parallel_rank(), engine.loss_scale())
     finally:
         engine.destroy()
 

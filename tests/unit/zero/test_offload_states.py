@@ -21,7 +21,6 @@ import torch
 from tests.unit.common import run_distributed
 
 
-
 class _Net(torch.nn.Module):
     """Odd widths, a 1-wide layer."""
 
@@ -37,22 +36,33 @@ class _Net(torch.nn.Module):
 
 def _config(stage, dtype, optimizer=True, extra=None):
     cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 2 if optimizer else 1,
-        "gradient_clipping": 1.0,
+        "train_micro_batch_size_per_gpu":
+        2,
+        "gradient_accumulation_steps":
+        2 if optimizer else 1,
+        "gradient_clipping":
+        1.0,
         "bf16": {
             "enabled": dtype == "bf16"
         },
-        "zero_optimization": dict({
-            "stage": stage,
-            "stage3_param_persistence_threshold": 10,
-            "stage3_prefetch_bucket_size": 20,
-            "reduce_bucket_size": 30
-        }, **(extra or {})),
+        "zero_optimization":
+        dict(
+            {
+                "stage": stage,
+                "stage3_param_persistence_threshold": 10,
+                "stage3_prefetch_bucket_size": 20,
+                "reduce_bucket_size": 30
+            }, **(extra or {})),
     }
     if optimizer:
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-2, "weight_decay": 0.1}}
     return cfg
+
+
+def _ours(obj):
+    """Objects the walk enters: modules, optimizers and this package's (or the tests') objects."""
+    return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or type(obj).__module__.startswith(
+        ("deepspeed", "tests"))
 
 
 def reachable_device_bytes(engine):
@@ -78,8 +88,7 @@ def reachable_device_bytes(engine):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stack.extend(obj)
-        elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or type(obj).__module__.startswith(
-            ("deepspeed", "tests")):
+        elif _ours(obj):
             stack.extend(getattr(obj, "__dict__", {}).values())
             for klass in type(obj).__mro__:
                 for slot in getattr(klass, "__slots__", ()):
