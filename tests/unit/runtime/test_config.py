@@ -257,12 +257,12 @@ def test_zero_defaults(attr, expected):
 
 
 @pytest.mark.parametrize("section, attr, expected", [
-    ("offload_optimizer", "pin_memory", False),
+    ("offload_optimizer", "pin_memory", True),
     ("offload_optimizer", "nvme_path", None),
     ("offload_optimizer", "buffer_count", 4),
     ("offload_optimizer", "fast_init", False),
     ("offload_optimizer", "ratio", 1.0),
-    ("offload_param", "pin_memory", False),
+    ("offload_param", "pin_memory", True),
     ("offload_param", "nvme_path", None),
     ("offload_param", "buffer_count", 5),
     ("offload_param", "buffer_size", 100_000_000),
