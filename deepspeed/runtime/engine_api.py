@@ -357,6 +357,14 @@ class EngineAPI:
             return torch.bfloat16
         return torch.float32
 
+    @communication_data_type.setter
+    def communication_data_type(self, value):
+        """Reduce gradients in ``value`` from the next reduction on (upstream reads the setting at every
+        reduction); None: the accumulation dtype."""
+        self._config.communication_data_type = value
+        if self._stage is not None:
+            self._stage.geometry.set_comm_dtype(value)
+
     def get_data_types(self):
         """``(model dtype, gradient accumulation dtype)``."""
         model = torch.float16 if self.fp16_enabled() else torch.bfloat16 if self.bfloat16_enabled() else torch.float32

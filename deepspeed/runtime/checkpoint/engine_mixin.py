@@ -30,6 +30,7 @@ class CheckpointEngineMixin:
         in the model-states file and returned by ``load_checkpoint``. With ``save_latest``,
         ``<save_dir>/latest`` names the tag once every rank's files are on disk. Returns True.
         """
+        self._states.require("save_checkpoint")  # EngineUsageError while offload_states() holds state
         return saving.save(self,
                            save_dir,
                            tag=tag,
@@ -58,6 +59,7 @@ class CheckpointEngineMixin:
         load did not consume. A missing, truncated or mismatched file, or a model of another
         shape, raises on every rank with a message naming the file.
         """
+        self._states.require("load_checkpoint")
         return loading.load(self,
                             load_dir,
                             tag=tag,

@@ -133,6 +133,10 @@ class _Geometry:
         # GPU runs is the one tests exercise).
         self.folder = HostFolder(self.device) if self.offloaded else None
 
+    def set_comm_dtype(self, comm_dtype):
+        """Reduce in ``comm_dtype`` from the next launch on (None, or the accumulation dtype: no cast)."""
+        self.comm_dtype = comm_dtype if comm_dtype is not None and comm_dtype != self.accum_dtype else None
+
     def _new_part(self, numel):
         return pinned(torch.zeros(numel, dtype=self.accum_dtype, device=self.part_device), self.pin_memory)
 

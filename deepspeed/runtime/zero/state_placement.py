@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where an engine's state tensors live, and moving them off the device and back (``engine.offload_states``).
 
-The stage gives a *state table*: for each :class:`OffloadStateTypeEnum` kind, the tensors of that kind it
+The stage gives a *state table*: for each ``OffloadStateTypeEnum`` kind, the tensors of that kind it
 holds on its device (16-bit parameters, fp32 masters, optimizer state, window gradient, reduction staging).
 :class:`StatePlacement` turns the table into storages (several tensors, views of one flat buffer, share
 one) and moves whole storages:
@@ -21,19 +21,14 @@ offloaded storage again, or reloading when nothing is offloaded, does nothing.
 
 All copies run on the current stream; with ``non_blocking`` the host does not wait for them (a reload or a
 kernel on the same stream is ordered after them; read the host views only after a synchronize). The host
-buffer is kept for the next offload of the same size (RL loops offload every step; pinning is slow).
+buffer is kept for the next offload it fits (RL loops offload every step; pinning is slow).
 """
 
 import torch
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
 ALIGN = 64  # bytes: every storage starts its host slice at a multiple (any dtype's views line up)
-
-
-def _storage_key(tensor):
-    return tensor.untyped_storage().data_ptr()
 
 
 class _Entry:
@@ -196,6 +191,3 @@ class StatePlacement:
         self._host = fresh
         self._pinned = pin
         return fresh
-
-
-KINDS = tuple(OffloadStateTypeEnum)
