@@ -10,6 +10,9 @@ that never offloads.
 * ROLL's strategy: ``offload_states()`` of everything after every optimizer step, ``reload_states()`` before the
   next forward; checked also with the host step pipelined (``offload_optimizer``) and with parameter offload.
 
+Seeded random cases (random widths with a 1x1 layer, a parameter smaller than the world of 3; stages 0-3) offload
+random subsets, some twice, forward when the parameters stayed, reload once or twice.
+
 After a full offload the device storages reachable from the engine (a walk over its object graph, independent of
 the state table) hold no more than a few bytes. Every loss, every reference output, the weights read while the
 masters are offloaded and the final fp32 masters must be bit-identical to the never-offloaded run's.
@@ -251,3 +254,70 @@ def test_offload_edge_cases():
         "back": True,
         "same_forward": True
     }
+
+
+class _RandomNet(torch.nn.Module):
+    """Random widths from ``generator``; a 1x1 layer (a parameter smaller than the world)."""
+
+    def __init__(self, generator):
+        super().__init__()
+        widths = [5] + [int(w) for w in torch.randint(1, 10, (3, ), generator=generator)] + [1]
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        self.tail = torch.nn.Linear(1, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.tail(x)
+
+
+def random_cycles(seed, offload):
+    """A seeded random engine (stage, precision, widths) trained 3 windows; after each, random subsets of the
+    states offloaded (some twice), a forward when the parameters stayed, reloads (some twice). Returns the
+    losses, the forwards' outputs by window and the final masters."""
+    import deepspeed
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as K
+    from deepspeed.utils import safe_get_full_fp32_param
+    pick = torch.Generator().manual_seed(seed)
+    stage = int(torch.randint(0, 4, (1, ), generator=pick))
+    dtype = ("fp32", "bf16")[int(torch.randint(0, 2, (1, ), generator=pick))]
+    torch.manual_seed(seed)
+    engine = deepspeed.initialize(model=_RandomNet(pick), config=_config(stage, dtype))[0]
+    data = torch.Generator().manual_seed(seed + torch.distributed.get_rank())
+    losses, outputs = [], {}
+    for window in range(3):
+        for _ in range(engine.gradient_accumulation_steps()):
+            loss = engine(_batch(data, dtype)).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        subsets = [[k for k in K if bool(torch.rand(1, generator=pick) < 0.5)] for _ in range(2)]
+        reloads = 1 + int(torch.randint(0, 2, (1, ), generator=pick))
+        x = _batch(data, dtype)
+        if offload:
+            for subset in subsets + subsets[:1]:
+                engine.offload_states(include=subset)
+        if K.lp_params not in engine._states.placement.offloaded_kinds():
+            with torch.no_grad():
+                outputs[window] = engine(x).float()
+        if offload:
+            for _ in range(reloads):
+                engine.reload_states()
+    masters = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+    engine.destroy()
+    return (stage, dtype), losses, outputs, masters
+
+
+def random_replay(seed):
+    cell, *plain = random_cycles(seed, False)
+    _, *moved = random_cycles(seed, True)
+    same = all(torch.equal(a, b) for a, b in zip(plain[0], moved[0])) and len(plain[0]) == len(moved[0])
+    same = same and all(torch.equal(plain[1][w], out) for w, out in moved[1].items())
+    same = same and all(torch.equal(a, b) for a, b in zip(plain[2], moved[2]))
+    return cell, same
+
+
+@pytest.mark.parametrize("seed", [0, 1, 6, 12])  # stages 0, 1, 2, 3 (bf16)
+def test_random_offload_cycles_world3(seed):
+    for (stage, dtype), same in run_distributed(random_replay, 3, args=(seed, ), timeout=120):
+        assert same, (seed, stage, dtype)
