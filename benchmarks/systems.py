@@ -29,7 +29,7 @@ import torch
 from benchmarks.gpt import lm_loss
 
 SYSTEMS = ("ds_zero0", "ds_zero1", "ds_zero2", "ds_zero3", "fsdp2", "ddp")
-MODIFIERS = ("offload", "zenflow", "nvme")
+MODIFIERS = ("offload", "zenflow", "nvme", "deepcompile")
 
 # What ``+nvme`` adds, besides ``device`` and ``nvme_path``: upstream needs ``buffer_size`` to hold the largest
 # parameter (the reference model's tied embedding: 50304 x 2048 = 1.03e8 elements) and ``sub_group_size`` well
@@ -137,8 +137,12 @@ class DeepSpeedSystem:
             config["aio"] = dict(NVME_SECTIONS["aio"])
         if "zenflow" in mods:
             zero["zenflow"] = dict(hp.get("zenflow") or {})
+        if "deepcompile" in mods:  # here: engine.compile() (torch.compile, hooks eager); upstream: its DeepCompile
+            config["compile"] = {"deepcompile": True}
         _merge(config, hp.get("ds_extra") or {})
         self.engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+        if "deepcompile" in mods:
+            self.engine.compile()
 
     def step(self, micro_batches):
         total = 0.0

@@ -1,8 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """DeepSpeed-compatible training runtime whose gradients are right for every way backward is called."""
 
+import argparse  # noqa: F401 (upstream's package namespace holds these)
+import json  # noqa: F401
+import os
 import os as _os
 import sys as _sys
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union  # noqa: F401
+
+import torch  # noqa: F401
+from packaging import version as pkg_version  # noqa: F401
+from torch.nn import Parameter
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from deepspeed import comm  # noqa: F401
 from deepspeed import ops  # noqa: F401
@@ -20,6 +30,35 @@ from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer  # noqa: F401
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader  # noqa: F401
 from deepspeed.runtime.tensor_parallel import init_utils as _tp_init_utils
 from deepspeed.runtime.tensor_parallel.init_utils import tp_model_init  # noqa: F401
+from deepspeed.runtime.tensor_parallel.init_utils import (  # noqa: F401
+    load_ds_config, merge_tp_model_init_into_config, record_tp_model_init_args)
+from deepspeed.runtime.pipe.engine import PipelineEngine  # noqa: F401
+from deepspeed.runtime.constants import MUON_OPTIMIZER  # noqa: F401
+from deepspeed import constants  # noqa: F401
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT  # noqa: F401
+from deepspeed.module_inject.layers import set_autotp_mode  # noqa: F401
+from deepspeed import comm as dist  # noqa: F401
+from deepspeed import module_inject, profiling  # noqa: F401
+from deepspeed import top_level as _top_level
+
+# upstream's type aliases of what initialize takes for an optimizer and a scheduler
+DeepSpeedOptimizerCallable = Callable[[Union[Iterable[Parameter], Dict[str, Iterable]]], Optimizer]
+DeepSpeedSchedulerCallable = Callable[[Optimizer], LRScheduler]
+
+# upstream's per-head Muon classification labels (per-head Muon itself is not built: see top_level.py)
+QUERY, KV, MLA_Q, MLA_KV, NOT_HEAD_BLOCKED = "query", "kv", "mla_q", "mla_kv", "not-head-blocked"
+
+
+def __getattr__(name):
+    if name in ("git_hash", "git_branch", "git_version_info"):  # computed on first access (runs git)
+        import importlib
+        git_version_info = importlib.import_module("deepspeed.git_version_info")
+        return git_version_info if name == "git_version_info" else getattr(git_version_info, name)
+    error = _top_level.not_built(name)
+    if error is not None:
+        raise error
+    raise AttributeError(f"module 'deepspeed' has no attribute '{name}'")
+
 
 # `import deepspeed.checkpointing` works too, not only the attribute.
 _sys.modules.setdefault(__name__ + ".checkpointing", checkpointing)
@@ -46,6 +85,7 @@ __version__ = _read_version()
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("+")[0].split(".")[:3])
 __git_hash__ = None
 __git_branch__ = None
+version = __version__
 
 
 def initialize(args=None,

@@ -29,16 +29,23 @@ class AccumulationWindow:
         self.in_step = False
         self.no_sync_depth = 0
         self.coalesce_depth = 0
+        self.window_start = 0  # micro_steps when the current GAS took effect
 
     def gradient_accumulation_steps(self):
         return self.gas
+
+    def set_gradient_accumulation_steps(self, gas):
+        """Windows from the next micro-step on have ``gas`` micro-steps (``set_train_batch_size``). Call it between
+        windows: the window that follows has exactly ``gas`` micro-steps (counted from here)."""
+        self.gas = int(gas)
+        self.window_start = self.micro_steps
 
     def is_boundary(self):
         """Whether the current micro-step ends the window (``step()`` applies the optimizer)."""
         if not self.managed:
             return self.in_step
         if self.boundary_flag is None:
-            return (self.micro_steps + 1) % self.gas == 0
+            return (self.micro_steps - self.window_start + 1) % self.gas == 0
         return self.boundary_flag
 
     def at_boundary(self):

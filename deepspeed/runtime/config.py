@@ -22,8 +22,8 @@ import torch
 
 from .config_audit import audit_config
 from .config_utils import (ConfigDict, ConfigSection, DeepSpeedConfigError, boolean, config_field, dtype, integer,
-                           load_config, logger, mapping, number, one_of, optional, raise_on_auto_values, section, size,
-                           string, string_list)
+                           load_config, logger, mapping, number, one_of, optional, raise_on_auto_values,
+                           drop_default_autos, section, size, string, string_list)
 from .constants import (ACTIVATION_CHECKPOINTING, AIO, AMP, CHECKPOINT, CHECKPOINT_TAG_VALIDATION_MODES, COMET,
                         CSV_MONITOR, DATA_TYPES, DEEPSPEED_LR_SCHEDULES, DEEPSPEED_OPTIMIZERS, ELASTICITY,
                         GRADIENT_ALLREDUCE_OP_SUM, GRADIENT_ALLREDUCE_OP_SUPPORTED, KNOWN_TOP_LEVEL_KEYS,
@@ -347,7 +347,7 @@ class DeepSpeedConfig:
 
     def __init__(self, config, mpu=None, mesh_device=None, world_size: Optional[int] = None):
         self._param_dict = load_config(config)
-        param_dict = self._param_dict
+        param_dict = drop_default_autos(self._param_dict)  # "auto" in zero_optimization: the default, as upstream
         raise_on_auto_values(param_dict)
         self._warn_unknown_top_level_keys(param_dict)
 

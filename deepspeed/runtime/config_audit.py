@@ -76,7 +76,6 @@ NOT_BUILT = (
         "the model would train unquantized and unpruned"),
     Row("weight_quantization", _quantized_weights,
         "quantized weights (weight_quantization.quantized_initialization / post_init_quant)"),
-    Row("compile.deepcompile", _enabled, "DeepCompile (compile.deepcompile)", "use engine.compile() or torch.compile"),
     Row("autotuning", _section_enabled, "the autotuner (autotuning.enabled)"),
     Row("data_efficiency", _section_enabled, "data efficiency (data_efficiency.enabled: curriculum sampling, "
         "dynamic batching, random-LTD)"),

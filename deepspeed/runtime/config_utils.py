@@ -114,6 +114,34 @@ def find_auto_values(value, path: str = "") -> Optional[str]:
     return None
 
 
+# Sections upstream parses with models that drop an exact ``"auto"`` value, leaving the key's default (OpenRLHF
+# and others pass such configs to deepspeed.initialize as they are). ZenFlow's "auto" keys mean something else.
+AUTO_MEANS_DEFAULT = ("zero_optimization", )
+_AUTO_KEEPS_MEANING = ("zenflow", )
+
+
+def drop_default_autos(param_dict: dict) -> dict:
+    """``param_dict`` with every exact ``"auto"`` value in the sections of :data:`AUTO_MEANS_DEFAULT` (and their
+    sub-sections) removed, as upstream's config models remove them: the key takes its default. The dict given
+    is not changed."""
+
+    def strip(section):
+        out = {}
+        for key, value in section.items():
+            if value == AUTO:
+                continue
+            out[key] = strip(value) if isinstance(value, dict) and key not in _AUTO_KEEPS_MEANING else value
+        return out
+
+    if not any(isinstance(param_dict.get(name), dict) for name in AUTO_MEANS_DEFAULT):
+        return param_dict
+    stripped = dict(param_dict)
+    for name in AUTO_MEANS_DEFAULT:
+        if isinstance(param_dict.get(name), dict):
+            stripped[name] = strip(param_dict[name])
+    return stripped
+
+
 def raise_on_auto_values(param_dict: dict) -> None:
     """Raise :class:`DeepSpeedConfigError` naming the first unresolved ``"auto"`` value, if any."""
     path = find_auto_values(param_dict)

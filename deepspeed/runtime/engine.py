@@ -27,6 +27,10 @@ from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+from deepspeed.runtime.compile_config import parse_compile_section
+from deepspeed.runtime.engine_api import EngineAPI
+from deepspeed.runtime.engine_names import refuse_unresolved
+from deepspeed.runtime.engine_states import EngineStates
 from deepspeed.runtime.instrumentation import EngineInstrumentation
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from deepspeed.runtime.optimizer_factory import build_optimizer, check_client_offload_optimizer
@@ -46,7 +50,7 @@ from deepspeed.utils.logging import log_dist, set_log_level_from_string
 from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
 
 
-class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
+class DeepSpeedEngine(EngineAPI, CheckpointEngineMixin, torch.nn.Module):
     """A model wrapped for DeepSpeed training (see the module docstring)."""
 
     # upstream's flag: True for the engine of a PipelineModule (PipelineEngine)
@@ -100,6 +104,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
                                     self.device,
                                     model_key=engine_mesh.model_key(model))
         self._validate_supported(cfg)
+        self._compile = parse_compile_section(self.config.get("compile"), cfg.zero_optimization_stage)
+        self._client_optimizer = optimizer
         # The one mesh of this run: every group, and over which one each parameter is reduced.
         self.mesh = engine_mesh.build_engine_mesh(cfg, model, mpu, self.device, expert_sizes, tp_size)
         if self._tensor_parallel is not None:  # the model's linear layers are cut over the tensor-parallel group
@@ -153,6 +159,9 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
             self._instruments.attach_stage(self._stage)
         elif cfg.zero_optimization_stage == 3:
             self._configure_stage()
+        self._states = EngineStates(self)  # offload_states / reload_states (engine_states.py)
+        if self.optimizer is not None:
+            self.optimizer.engine_states = self._states
         self._audit = AuditSchedule(self, cfg.gradient_audit_config)
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
@@ -330,8 +339,13 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            refuse_unresolved(self, name)  # an upstream engine name never reaches the module
             module = super().__getattr__("module")
             return getattr(module, name)
+
+    def _compile_settings(self):
+        """The parsed ``compile`` section (compile_config.py)."""
+        return self._compile
 
     def gradient_accumulation_steps(self):
         return self.window.gradient_accumulation_steps()
@@ -463,7 +477,8 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
         Gradients stay exact on every stage: the engine's hooks run eagerly between compiled regions
         (ZeRO-3 gathers and releases parameters there; these are graph breaks). Compiled autograd
-        and DeepCompile schedules are not supported.
+        and DeepCompile schedules are not supported. With ``compile.deepcompile`` true this is the compiled
+        path that runs (compile_config.py).
         """
         if schedule is not None:
             raise NotImplementedError("engine.compile(schedule=...) (DeepCompile) is not supported; see "
@@ -505,6 +520,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
     # ----------------------------------------------------- forward / backward
     @guarded("engine.forward")  # a rank that raises makes its peers fail with its reason (docs/faults.md)
     def forward(self, *inputs, **kwargs):
+        self._states.require("forward")
         registry.discard_stale_sessions()
         if self._config.fp16_enabled and self._config.fp16_auto_cast:
             inputs = _cast_floats(inputs, torch.float16)
@@ -526,6 +542,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
         Returns the loss as it counts towards the step: ``loss / GAS`` when scaling.
         """
+        self._states.require("backward")
         registry.discard_stale_sessions()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"engine.backward expects a tensor loss, got {type(loss).__name__}")
@@ -564,6 +581,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
         if self.window.deferred():
             raise EngineUsageError("It is illegal to call Engine.step() inside no_sync context manager (no_sync() or "
                                    "coalesce_grad_reduction()): leave the context first")
+        self._states.require("step")
         registry.discard_stale_sessions()
         with self.window.stepping():
             boundary = self.is_gradient_accumulation_boundary()
@@ -616,6 +634,7 @@ class DeepSpeedEngine(CheckpointEngineMixin, torch.nn.Module):
 
     def zero_grad(self, set_to_none=True):
         """Discard the gradients of the current accumulation window (and any failed backward's state)."""
+        self._states.require("zero_grad")
         registry.discard_stale_sessions()
         self._audit.discard_window()
         if getattr(self, "_unused_check", None) is not None:

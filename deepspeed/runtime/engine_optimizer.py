@@ -77,6 +77,16 @@ class EngineOptimizer(ZeROOptimizer):
     def dynamic_loss_scale(self):
         return self.loss_scaler.dynamic
 
+    engine_states = None  # the engine's EngineStates (engine_states.py), set by the engine
+
+    def offload_states(self, include=None, device="cpu", pin_memory=True, non_blocking=False):
+        """The engine's ``offload_states`` (upstream offers it on the optimizer too; OpenRLHF calls it here)."""
+        self.engine_states.offload(include=include, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking=False):
+        """The engine's ``reload_states``."""
+        self.engine_states.reload(non_blocking=non_blocking)
+
     def needs_scaler(self):
         """Whether a backward must be loss-scaled (fp16): a direct ``loss.backward()`` then raises,
         ``engine.backward(loss)`` or ``engine.scale(loss).backward()`` are required."""
@@ -90,6 +100,8 @@ class EngineOptimizer(ZeROOptimizer):
         """Apply the boundary step to the gradients accumulated so far (``engine.step()`` is the usual way)."""
         if closure is not None:
             raise NotImplementedError("DeepSpeed optimizers do not take a closure")
+        if self.engine_states is not None:
+            self.engine_states.require("step")
         applied = self.boundary_step()
         self.stage.zero_window()
         return applied

@@ -57,6 +57,7 @@ class CheckpointEngineMixin:
         tag's completeness mark and ``latest`` are written behind training (docs/checkpoints.md), and the next
         save waits for them.
         """
+        self._states.require("save_checkpoint")  # EngineUsageError while offload_states() holds state
         return saving.save(self,
                            save_dir,
                            tag=tag,
@@ -85,6 +86,7 @@ class CheckpointEngineMixin:
         load did not consume. A missing, truncated or mismatched file, or a model of another
         shape, raises on every rank with a message naming the file.
         """
+        self._states.require("load_checkpoint")
         return loading.load(self,
                             load_dir,
                             tag=tag,

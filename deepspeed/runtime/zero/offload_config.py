@@ -24,6 +24,15 @@ class OffloadDeviceEnum(str, Enum):
         return self.value
 
 
+class OffloadStateTypeEnum(str, Enum):
+    """The engine states ``engine.offload_states(include=...)`` names (upstream's members and values)."""
+    optim_states = "optim_states"  # the optimizer's state (Adam's moments)
+    hp_params = "hp_params"  # the fp32 master parameters
+    lp_params = "lp_params"  # the model's (16-bit) parameters or ZeRO-3 shards
+    lp_grads = "lp_grads"  # the window gradient (its partitions)
+    contiguous_grad_buffer = "contiguous_grad_buffer"  # staging buffers of the gradient reduction
+
+
 _device = one_of([device.value for device in OffloadDeviceEnum], convert=OffloadDeviceEnum)
 
 
@@ -40,7 +49,7 @@ class DeepSpeedZeroOffloadParamConfig(ConfigSection):
     buffer_count: int = config_field(5, parse=integer(minimum=0))
     buffer_size: int = config_field(int(1e8), parse=size())
     max_in_cpu: int = config_field(int(1e9), parse=size())
-    pin_memory: bool = config_field(False, parse=boolean())
+    pin_memory: bool = config_field(True, parse=boolean())  # upstream 0.19's default
 
     @classmethod
     def _finalize(cls, values, spelled, path):
@@ -54,7 +63,7 @@ class DeepSpeedZeroOffloadOptimizerConfig(ConfigSection):
     device: OffloadDeviceEnum = config_field(OffloadDeviceEnum.none, parse=_device)
     nvme_path: Optional[str] = config_field(None, parse=optional(filesystem_path()))
     buffer_count: int = config_field(4, parse=integer(minimum=0))
-    pin_memory: bool = config_field(False, parse=boolean())
+    pin_memory: bool = config_field(True, parse=boolean())  # upstream 0.19's default
     pipeline_read: bool = config_field(False, parse=boolean())
     pipeline_write: bool = config_field(False, parse=boolean())
     fast_init: bool = config_field(False, parse=boolean())

@@ -8,26 +8,20 @@
   moving ``.data`` through a persistent buffer kept in the state under ``<key>_offload_buffer``, so the
   state tensors stay the same objects.
 
-Upstream's engine-level ``engine.offload_states()`` / ``reload_states()`` (moving a ZeRO-3 engine's
-parameters, gradients and buffers off the device between steps) is not built here; ``get_state_devices``,
-which inspects those engine states, raises ``NotImplementedError``.
+* ``get_state_devices(engine, state)``: the devices the engine's tensors of one
+  :class:`~deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum` kind live on now (after
+  ``engine.offload_states()``: the host; see :mod:`deepspeed.runtime.engine_states`).
+
+``OffloadStateTypeEnum`` is defined in :mod:`~deepspeed.runtime.zero.offload_config` (where upstream's callers
+import it from) and re-exported here.
 """
 
-from enum import Enum
 from typing import Set
 
 import torch
 
 from deepspeed.accelerator import get_accelerator
-
-
-class OffloadStateTypeEnum(str, Enum):
-    """The engine states upstream's ``engine.offload_states(include=...)`` names."""
-    optim_states = "optim_states"
-    hp_params = "hp_params"
-    lp_params = "lp_params"
-    lp_grads = "lp_grads"
-    contiguous_grad_buffer = "contiguous_grad_buffer"
+from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: F401 (upstream imports it here too)
 
 
 def _make_offload_state_key(key):
@@ -92,6 +86,10 @@ def reload_adam_states(optimizer, device, non_blocking: bool = False):
 
 
 def get_state_devices(model, state: OffloadStateTypeEnum) -> Set[torch.device]:
-    """Upstream's device query of ``engine.offload_states``: not built here (see the module docstring)."""
-    raise NotImplementedError("engine.offload_states() / reload_states() and get_state_devices are not built in "
-                              "this runtime; see docs/compatibility.md")
+    """The devices ``model``'s (a DeepSpeed engine's) tensors of kind ``state`` live on now: the engine's device,
+    the host (offloaded by ``engine.offload_states()``, or kept there by ``offload_optimizer`` /
+    ``offload_param``), or both; the empty set when the engine holds none of that kind."""
+    states = getattr(model, "_states", None)
+    if states is None:
+        raise TypeError(f"get_state_devices expects a DeepSpeed engine, got {type(model).__name__}")
+    return states.devices(state)

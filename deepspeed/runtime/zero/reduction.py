@@ -133,6 +133,10 @@ class _Geometry:
         # GPU runs is the one tests exercise).
         self.folder = HostFolder(self.device) if self.offloaded else None
 
+    def set_comm_dtype(self, comm_dtype):
+        """Reduce in ``comm_dtype`` from the next launch on (None, or the accumulation dtype: no cast)."""
+        self.comm_dtype = comm_dtype if comm_dtype is not None and comm_dtype != self.accum_dtype else None
+
     def _new_part(self, numel):
         return pinned(torch.zeros(numel, dtype=self.accum_dtype, device=self.part_device), self.pin_memory)
 
@@ -173,6 +177,12 @@ class _Geometry:
             return self.transport.reduce_scatter(out, send, spec.group), out
         work = self.transport.all_reduce(send, spec.group)
         return work, send.narrow(0, spec.rank * chunk, chunk)
+
+    def state_tensors(self):
+        """``(window gradient, reduction buffers)`` this geometry holds on the device now (the state table's
+        ``lp_grads`` and ``contiguous_grad_buffer``; host partitions are not listed)."""
+        grads = [] if self.offloaded else list(self.partitions())
+        return grads, [b.staging for b in getattr(self, "buckets", ()) if getattr(b, "staging", None) is not None]
 
     def reduce_replicas(self):
         """Sum over the tensor-parallel group the gradients this geometry keeps partial for parameters replicated
@@ -225,6 +235,9 @@ class ReplicatedGeometry(_Geometry):
 
     def partitions(self):
         return [self.acc]
+
+    def state_tensors(self):
+        return [self.acc], [self._delta] if self._delta is not None else []
 
     def _delta_region(self, index):
         if self._delta is None:
@@ -324,6 +337,10 @@ class PartitionGeometry(_Geometry):
             for bucket, dest in zip(self.buckets, self._dest):
                 if bucket.slots:
                     self.folder.register(dest)
+
+    def state_tensors(self):
+        grads, buffers = super().state_tensors()
+        return grads, buffers + ([self._persistent] if self._persistent is not None else [])
 
     def _persistent_region(self, index):
         spec = self.layout.buckets[index]
@@ -435,6 +452,11 @@ class UnitGeometry(_Geometry):
     def partitions(self):
         self.settle()
         return self.grad_parts
+
+    def state_tensors(self):
+        grads, buffers = super().state_tensors()
+        kept = getattr(self, "_replicas_reduced", None)
+        return grads, buffers + ([kept] if kept is not None else [])
 
     def _rows(self, bucket):
         return bucket.staging.view(self.world_size, -1)

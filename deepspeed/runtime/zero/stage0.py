@@ -22,6 +22,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.precision.master_params import MasterParams
 from deepspeed.runtime.zero.checkpoint_stage0 import Stage0Checkpoint
 from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as Kind
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction import ReplicatedGeometry
 from deepspeed.runtime.zero.stage_base import ZeroStage, fp32_grads, trainable_groups
@@ -117,6 +118,16 @@ class Stage0(ZeroStage):
 
     def checkpoint(self):
         return Stage0Checkpoint(self)
+
+    def state_table(self):
+        table = super().state_table()
+        if self._published:  # the reduced gradient as ``param.grad``: views of the window buffer
+            table[Kind.lp_grads] = table[Kind.lp_grads] + [p.grad for p in self.params if p.grad is not None]
+        return table
+
+    def _master_tensors(self):
+        """The fp32 masters; fp32 parameters are their own masters (one storage serves both kinds)."""
+        return list(self.masters.masters) if self.masters is not None else list(self.params)
 
     # ------------------------------------------------------------- accessors
     def full_grad(self, param):

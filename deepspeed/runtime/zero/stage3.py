@@ -37,6 +37,7 @@ from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.checkpoint_stage3 import Stage3Checkpoint
 from deepspeed.runtime.zero.device_share import device_ranges
 from deepspeed.runtime.zero.matrix_step import install_matrix_step, stage3_blocks
+from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as Kind
 from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.param_fetch import ShardFetch
 from deepspeed.runtime.zero.parameter_units import UnitCoordinator, build_units
@@ -404,6 +405,54 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def checkpoint(self):
         self._masters_current()
         return Stage3Checkpoint(self)
+
+    # ------------------------------------------------------------ state table
+    def state_table(self):
+        table = super().state_table()
+        if not self.config.offload_param:  # the 16-bit shards (or the masters gathers read) and their views
+            table[Kind.lp_params] = [s for s in self.sources if s is not None] + \
+                [p.ds_tensor for p in self.module.parameters()]
+        return table
+
+    _own_shards = False  # 16-bit shards made for an offload of the masters alone (see before_offload)
+
+    def before_offload(self, include):
+        """Also: every gathered copy is released (persistent units too), and when the masters move but the
+        parameters stay, the parameters get 16-bit shards of their own (cast from the masters, as a gather
+        casts them), so forwards and ``GatheredParameters`` keep working while the masters are away."""
+        super().before_offload(include)
+        self._step_done()
+        self.coordinator.release_all()
+        if Kind.hp_params in include and Kind.lp_params not in include and not self._own_shards:
+            shared = [g for g, s in enumerate(self.shards[:len(self.masters)]) if s is None]
+            if shared and not self.config.offload_param:
+                for g in shared:
+                    self.shards[g] = self.masters[g].data.to(self.model_dtype, copy=True)
+                    self.sources[g] = self.shards[g]
+                self._own_shards = shared
+                self._point_ds_tensors()
+
+    def after_offload(self, offloaded):
+        """Parameters still on the device: their persistent units are gathered again, as after a step."""
+        if Kind.lp_params not in offloaded:
+            self._gather_persistent()
+
+    def after_reload(self):
+        """The gathers read the masters again (dropping shards :meth:`before_offload` made); the persistent units
+        are gathered again."""
+        if self._own_shards:
+            for g in self._own_shards:
+                self.shards[g] = None
+                self.sources[g] = self.masters[g].data
+            self._own_shards = False
+            self._point_ds_tensors()
+        self._gather_persistent()
+
+    @torch.no_grad()
+    def _point_ds_tensors(self):
+        layout = self.layout
+        for p in self.module.parameters():
+            p.ds_tensor = layout.shard_view(self.sources[layout.slots[p].group], p)
 
     def _masters_current(self):
         super()._masters_current()

@@ -31,6 +31,7 @@ from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
 from deepspeed.runtime.zero import grad_ops
 from deepspeed.runtime.zero.checkpoint_partitioned import PartitionedCheckpoint
 from deepspeed.runtime.zero.matrix_step import install_matrix_step, stage12_blocks
+from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as Kind
 from deepspeed.runtime.zero.offload_step import HostStep
 from deepspeed.runtime.zero.piece_waits import PieceWaits
 from deepspeed.runtime.zero.partition_layout import PartitionedLayout
@@ -222,6 +223,11 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
     def checkpoint(self):
         self._masters_current()
         return PartitionedCheckpoint(self)
+
+    def state_table(self):
+        table = super().state_table()
+        table[Kind.lp_params] = [self.flat_params]  # the model's trainable parameters are views of it
+        return table
 
     def _bucket_group(self, bucket):
         """The group ``bucket`` is partitioned over (its param group's reduction spec)."""

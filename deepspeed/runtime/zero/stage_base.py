@@ -29,6 +29,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.precision.overflow import agreed_overflow
 from deepspeed.runtime.zero import grad_ops, host_math
+from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as Kind
 from deepspeed.runtime.zero.grad_pipeline import GradPipeline
 from deepspeed.runtime.zero.profiling import ds_range
 from deepspeed.runtime.zero.reduction_spec import ReductionPlan
@@ -290,6 +291,61 @@ class ZeroStage:
         stages add their own; here a speculative step not yet decided is undone)."""
         if self.speculative is not None:
             self.speculative.before_read()
+
+    # ------------------------------------------------------------ state table
+    def state_table(self):
+        """``{OffloadStateTypeEnum: [tensors]}``: the tensors of this stage's state on its device now (what
+        ``engine.offload_states`` moves; the engine adds the module's parameters). Host-tier state
+        (``offload_optimizer``) is not listed: it is on the host already."""
+        grads, buffers = self.geometry.state_tensors()
+        table = {kind: [] for kind in Kind}
+        table[Kind.lp_grads] = grads
+        table[Kind.contiguous_grad_buffer] = buffers
+        if not self.config.offload_optimizer:
+            table[Kind.hp_params] = self._master_tensors()
+            table[Kind.optim_states] = [
+                value for state in self.optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+            ]
+        return table
+
+    def _master_tensors(self):
+        return list(self.masters)
+
+    def host_kinds(self):
+        """The kinds this stage keeps on the host by configuration (``offload_optimizer``, ``offload_param``)."""
+        kinds = set()
+        if self.config.offload_optimizer:
+            kinds |= {Kind.hp_params, Kind.optim_states, Kind.lp_grads}
+        if self.config.offload_param:
+            kinds.add(Kind.lp_params)
+        return kinds
+
+    def offload_unsupported(self):
+        """Why this stage's state cannot be moved off the device and back, or None."""
+        host_step = getattr(self, "host_step", None)
+        reasons = [(self.zenflow is not None, "ZenFlow (zero_optimization.zenflow)"),
+                   (self.speculative is not None, "offload_optimizer.super_offload"),
+                   (host_step is not None and host_step.share is not None, "offload_optimizer.ratio < 1"),
+                   (host_step is not None and host_step.swap is not None, "offload_optimizer.device 'nvme'"),
+                   (getattr(self, "param_tier", None) is not None, "offload_param.device 'nvme'")]
+        for bad, what in reasons:
+            if bad:
+                return what
+        return None
+
+    def before_offload(self, include):
+        """Complete whatever still reads or writes the state (an overlapped step) before it moves."""
+        self._masters_current()
+        host_step = getattr(self, "host_step", None)
+        if host_step is not None:
+            host_step.finish()
+        self.geometry.settle()
+
+    def after_offload(self, offloaded):
+        """The kinds in ``offloaded`` are on the host now."""
+
+    def after_reload(self):
+        """The state is back on the device."""
 
     # ------------------------------------------------------------- accessors
     def params_modified(self, param):

@@ -189,6 +189,8 @@ def run_cell(cell):
     if compiled == "engine":
         for engine in engines:
             engine.compile(backend=cell.get("backend", "inductor"))
+            deepcompile = bool(top.get("compile", {}).get("deepcompile"))
+            assert engine.is_deepcompile_enabled() == deepcompile and engine.is_deepcompile_active() == deepcompile
     drv = EngineDriver(engines, fp16=cell["dtype"] == "fp16")
     period = math.lcm(*gas)
     checked = 0

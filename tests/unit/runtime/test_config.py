@@ -256,12 +256,12 @@ def test_zero_defaults(attr, expected):
 
 
 @pytest.mark.parametrize("section, attr, expected", [
-    ("offload_optimizer", "pin_memory", False),
+    ("offload_optimizer", "pin_memory", True),
     ("offload_optimizer", "nvme_path", None),
     ("offload_optimizer", "buffer_count", 4),
     ("offload_optimizer", "fast_init", False),
     ("offload_optimizer", "ratio", 1.0),
-    ("offload_param", "pin_memory", False),
+    ("offload_param", "pin_memory", True),
     ("offload_param", "nvme_path", None),
     ("offload_param", "buffer_count", 5),
     ("offload_param", "buffer_size", 100_000_000),
@@ -634,8 +634,6 @@ AUTO_CASES = [
     ({"gradient_clipping": "auto"}, "gradient_clipping"),
     ({"fp16.enabled": "auto"}, "fp16.enabled"),
     ({"bf16.enabled": "Auto"}, "bf16.enabled"),
-    ({f"{Z}.stage": 3, f"{Z}.stage3_prefetch_bucket_size": "auto"}, f"{Z}.stage3_prefetch_bucket_size"),
-    ({f"{Z}.offload_optimizer.device": "auto"}, f"{Z}.offload_optimizer.device"),
     ({"optimizer.type": "AdamW", "optimizer.params.lr": "auto"}, "optimizer.params.lr"),
     ({"optimizer.type": "AdamW", "optimizer.params.betas": [0.9, "auto"]}, "optimizer.params.betas[1]"),
     ({"scheduler.type": "WarmupLR", "scheduler.params.warmup_max_lr": "auto"}, "scheduler.params.warmup_max_lr"),
@@ -651,6 +649,21 @@ def test_auto_anywhere_raises(flat, path):
     message = str(info.value)
     assert f"config key '{path}' is 'auto'" in message
     assert "deepspeed.initialize" in message
+
+
+def test_auto_in_zero_optimization_is_the_default():
+    """Upstream's zero_optimization models drop an exact "auto": the key keeps its default (OpenRLHF's configs)."""
+    cfg = make({
+        f"{Z}.stage": 3,
+        f"{Z}.stage3_prefetch_bucket_size": "auto",
+        f"{Z}.offload_optimizer.device": "auto",
+        f"{Z}.reduce_bucket_size": "auto"
+    })
+    default = make({f"{Z}.stage": 3})
+    for key in ("prefetch_bucket_size", "reduce_bucket_size"):
+        assert getattr(cfg.zero_config, key) == getattr(default.zero_config, key), key
+    assert cfg.zero_config.offload_optimizer.device == "none"
+    assert cfg._param_dict["zero_optimization"]["reduce_bucket_size"] == "auto"  # the user's dict is kept
 
 
 def test_auto_where_upstream_gives_it_a_meaning():

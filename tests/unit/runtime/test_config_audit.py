@@ -31,7 +31,6 @@ REFUSED = {
                              {"compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": 0}}}}),
     "weight_quantization": ({"weight_quantization": {"quantized_initialization": {"num_bits": 8}}},
                             {"weight_quantization": {}}),
-    "compile.deepcompile": ({"compile": {"deepcompile": True}}, {"compile": {"deepcompile": False}}),
     "autotuning": ({"autotuning": {"enabled": True}}, {"autotuning": {"enabled": False}}),
     "data_efficiency": ({"data_efficiency": {"enabled": True}}, {"data_efficiency": {"enabled": False}}),
     "curriculum_learning": ({"curriculum_learning": {"enabled": True}}, {"curriculum_learning": {"enabled": False}}),

@@ -13,8 +13,6 @@ NOT_BUILT = [
      "progressive layer dropping"),
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", lambda c: c(torch.nn.Linear(1, 1), None, {}),
      "DeepSpeedZeRoOffload"),
-    ("deepspeed.runtime.zero.offload_states", "get_state_devices", lambda f: f(None, "optim_states"),
-     "offload_states"),
     ("deepspeed.runtime.comm.coalesced_collectives", "all_to_all_quant_reduce", lambda f: f([], {}), "qgZ"),
     ("deepspeed.runtime.zero.partition_parameters", "CUDAQuantizer", lambda c: c(), "qwZ"),
     ("deepspeed.runtime.checkpoint_engine", "DataStatesCheckpointEngine", lambda c: c(), "DataStates"),
