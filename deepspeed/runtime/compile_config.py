@@ -72,7 +72,13 @@ def parse_compile_section(section, zero_stage):
         raise DeepSpeedConfigError(f"config key 'compile.{unknown[0]}' is not a compile setting; the settings are "
                                    f"{sorted(DEFAULTS)}")
     for key, value in section.items():
-        if key in ("deepcompile", "passes") or key in INERT_WITHOUT_SWITCH:
+        if key in ("deepcompile", "passes"):
+            continue
+        if key in INERT_WITHOUT_SWITCH:  # validated, nothing to honour while their switch is off
+            if isinstance(DEFAULTS[key], bool):
+                _bool(key, value)
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise DeepSpeedConfigError(f"config key 'compile.{key}' must be a non-negative integer, got {value!r}")
             continue
         if isinstance(DEFAULTS[key], bool):
             _bool(key, value)

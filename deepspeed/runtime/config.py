@@ -496,6 +496,8 @@ class DeepSpeedConfig:
             raise DeepSpeedConfigError(f"config keys 'fp16.enabled' and '{self._bf16_section}.enabled' are both "
                                        "true; enable at most one of them")
         stage = self.zero_optimization_stage
+        from deepspeed.runtime.compile_config import parse_compile_section
+        self.compile_settings = parse_compile_section(self._param_dict.get("compile"), stage)
         if self.gradient_allreduce_op == GRADIENT_ALLREDUCE_OP_SUM:
             compile_section = self._param_dict.get("compile")
             conflict = None

@@ -27,7 +27,6 @@ from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
-from deepspeed.runtime.compile_config import parse_compile_section
 from deepspeed.runtime.engine_api import EngineAPI
 from deepspeed.runtime.engine_names import refuse_unresolved
 from deepspeed.runtime.engine_states import EngineStates
@@ -104,7 +103,7 @@ class DeepSpeedEngine(EngineAPI, CheckpointEngineMixin, torch.nn.Module):
                                     self.device,
                                     model_key=engine_mesh.model_key(model))
         self._validate_supported(cfg)
-        self._compile = parse_compile_section(self.config.get("compile"), cfg.zero_optimization_stage)
+        self._compile = cfg.compile_settings
         self._client_optimizer = optimizer
         # The one mesh of this run: every group, and over which one each parameter is reduced.
         self.mesh = engine_mesh.build_engine_mesh(cfg, model, mpu, self.device, expert_sizes, tp_size)

@@ -28,7 +28,6 @@ KEYS_FILE = os.path.join(HERE, "upstream_schema", "upstream_config_keys.json")
 WRONG_TYPE = [["not a value of any key's type"]]
 
 IN_PROGRESS = {
-    "compile": "honoured by the compile / DeepCompile area",
     "expert_parallel": "honoured by the expert parallel (AutoEP) area",
 }
 
