@@ -17,11 +17,18 @@ model-states file (written by rank 0) cannot hold them. Beside the stage's files
 
 Loading (after the stage's own load): every rank reads its experts' files and its
 expert-parallel rank's states file and sets the module values, the fp32 masters and the
-optimizer state, so a resume continues exactly. Onto another expert-parallel size, the per-expert
-files still give each rank its new experts: ``load_module_only=True`` (or
-``load_optimizer_states=False``) loads them and refreshes the masters; a full load raises a
-``CheckpointError`` on every rank before anything is changed, because the partitioned optimizer
-files are laid out for the saved expert-parallel size.
+optimizer state, so a resume continues exactly.
+
+Onto another expert-parallel size (a checkpoint of ZeRO 1 or 2; resharding): the module's expert
+entries are replaced by this rank's new experts read from the per-expert files
+(:func:`local_module_values`), the stage's partitions give the dense parameters by name (expert
+buckets are skipped, ``checkpoint/reshard.py``), and :func:`add_local_experts` adds this rank's
+experts to that by-name state from every expert states file, indexed by global expert (fp32 values
+and per-element optimizer state; the group's scalars such as ``step`` from the saved group). The
+stage then cuts it into its own layout, so the next steps equal the continued run's.
+``load_module_only=True`` loads the experts' module values and refreshes the masters. A ZeRO-0
+checkpoint (its optimizer state lives in rank 0's model-states file, with rank 0's experts only)
+loads onto another size only with ``load_module_only``.
 """
 
 import os
@@ -151,19 +158,140 @@ def check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, l
     saved = torch.load(os.path.join(directory, found[0]), map_location="cpu", weights_only=False)["ep_sizes"]
     if saved == mine:
         return
-    hint = ("load with load_module_only=True, load_module_strict=False: each rank then reads its experts from the "
-            "per-expert files and the fp32 masters follow")
-    if not load_module_only:
-        raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}, this engine has {mine}; the "
-                              f"optimizer files are laid out for the saved sizes. To change the expert-parallel "
-                              f"size, {hint}")
-    if load_module_strict:
-        raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}, this engine has {mine}: the "
-                              f"model-states file holds another number of local experts; {hint}")
+    if len(saved) != len(mine):
+        raise CheckpointError(f"{directory}: saved with {len(saved)} expert layers, this engine has {len(mine)}")
+    if len(set(saved)) > 1:
+        raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}; resharding needs one size "
+                              f"for every expert layer")
+    if not load_module_only and load_optimizer_states and _saved_stage(directory) not in (1, 2):
+        raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}, this engine has {mine}; a "
+                              f"ZeRO stage {_saved_stage(directory)} checkpoint holds the optimizer state of rank 0's "
+                              f"experts only. Load with load_module_only=True (the fp32 masters follow the module)")
+
+
+def _saved_stage(directory):
+    """The ZeRO stage that wrote ``directory`` (from rank 0's model-states file), or None."""
+    from deepspeed.runtime.checkpoint import paths
+    from deepspeed.runtime.checkpoint.reader import META_KEY
+    path = os.path.join(directory, paths.model_states_name(0))
+    if not os.path.exists(path):
+        return None
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    return (ckpt.get(META_KEY) or {}).get("zero_stage", 0 if ckpt.get("optimizer") is not None else None)
+
+
+def resharding(engine, directory):
+    """Whether ``directory`` was saved with other expert-parallel sizes than ``engine`` has (checked by
+    :func:`check_load`)."""
+    if not has_experts(engine) or directory is None:
+        return False
+    path = os.path.join(directory, STATES_FILE.format(rank=0))
+    if not os.path.exists(path):
+        return False
+    saved = torch.load(path, map_location="cpu", weights_only=False)["ep_sizes"]
+    return saved != [_ep_size(x) for _, _, x in _layers(engine.module)]
+
+
+def _my_expert_values(engine, directory):
+    """name -> this rank's value of every expert parameter, from the per-expert files (model dtype)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out = {}
+    for layer, prefix, experts in _layers(engine.module):
+        for e, entries in _local_entries(prefix, experts):
+            values = torch.load(os.path.join(directory, EXPERT_FILE.format(layer=layer, expert=e)),
+                                map_location="cpu",
+                                weights_only=False)
+            for key, (param, row) in entries.items():
+                name = names[id(param)]
+                if row is None:
+                    out[name] = values[key]
+                else:
+                    out.setdefault(name, torch.empty(param.shape, dtype=values[key].dtype))[row].copy_(values[key])
+    return out
+
+
+def local_module_values(engine, directory, values, shapes):
+    """``(values, shapes)`` of the saved module with every expert entry replaced by this rank's experts at the
+    engine's expert-parallel size (read from the per-expert files)."""
+    prefixes = tuple(prefix + "." for _, prefix, _ in _layers(engine.module))
+    values = {k: v for k, v in values.items() if not k.startswith(prefixes)}
+    shapes = {k: v for k, v in shapes.items() if not k.startswith(prefixes)}
+    mine = _my_expert_values(engine, directory)
+    values.update(mine)
+    shapes.update((k, tuple(v.shape)) for k, v in mine.items())
+    return values, shapes
+
+
+def _global_states(engine, directory):
+    """``{(layer prefix, global expert, parameter name within the expert): (fp32, {state key: tensor})}`` from
+    every expert states file of ``directory``."""
+    from deepspeed.moe.autoep import GroupedExperts
+    layers = {prefix: experts for _, prefix, experts in _layers(engine.module)}
+    table = {}
+    rank = 0
+    while os.path.exists(os.path.join(directory, STATES_FILE.format(rank=rank))):
+        payload = torch.load(os.path.join(directory, STATES_FILE.format(rank=rank)),
+                             map_location="cpu",
+                             weights_only=False)
+        for prefix, experts in layers.items():
+            entries = {n[len(prefix) + 1:]: v for n, v in payload["params"].items() if n.startswith(prefix + ".")}
+            if isinstance(experts, GroupedExperts):
+                for rest, entry in entries.items():
+                    local = entry["fp32"].shape[0]
+                    for row in range(local):
+                        table[(prefix, rank * local + row, rest)] = (entry["fp32"][row], {
+                            k: v[row]
+                            for k, v in entry["state"].items()
+                        })
+            else:  # deepspeed_experts.<local>.<name>
+                parsed = [(int(rest.split(".")[1]), rest.split(".", 2)[2], entry) for rest, entry in entries.items()]
+                local = 1 + max((i for i, _, _ in parsed), default=-1)
+                for i, name, entry in parsed:
+                    table[(prefix, rank * local + i, name)] = (entry["fp32"], entry["state"])
+        rank += 1
+    return table
+
+
+def add_local_experts(engine, directory, full, with_state):
+    """Put this rank's expert parameters into ``full`` (a ``FullState`` by name whose expert entries were left out):
+    fp32 values and per-element optimizer state from every expert states file by global expert, the param group's
+    scalar state (``step``...) from the saved group. Returns ``full``."""
+    from deepspeed.moe.autoep import GroupedExperts
+    table = _global_states(engine, directory)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    stage = engine._stage
+    for _, prefix, experts in _layers(engine.module):
+        if isinstance(experts, GroupedExperts):
+            for rest, param in experts.named_parameters(recurse=False):
+                rows = [table[(prefix, experts.first_expert + i, rest)] for i in range(experts.num_local_experts)]
+                _put(full, names[id(param)], torch.stack([r[0] for r in rows]),
+                     {k: torch.stack([r[1][k] for r in rows])
+                      for k in rows[0][1]}, stage, param, with_state)
+            continue
+        first = _ep_rank(experts) * experts.num_local_experts
+        for local, expert in enumerate(experts.deepspeed_experts):
+            for rest, param in expert.named_parameters():
+                fp32, state = table[(prefix, first + local, rest)]
+                _put(full, names[id(param)], fp32, state, stage, param, with_state)
+    return full
+
+
+def _put(full, name, fp32, state, stage, param, with_state):
+    full.fp32[name] = fp32.float()
+    if not with_state:
+        return
+    group = stage._group(param) if hasattr(stage, "_group") else None
+    scalars = {}
+    if group is not None and group < len(full.group_names):
+        for other in full.group_names[group]:
+            if other in full.state:
+                scalars = {k: v for k, v in full.state[other].items() if k not in state}
+                break
+    full.state[name] = {**scalars, **{k: v.clone() for k, v in state.items()}}
 
 
 @torch.no_grad()
-def load_files(engine, directory, load_module_only, load_optimizer_states):
+def load_files(engine, directory, load_module_only, load_optimizer_states, resharded=False):
     """Set this rank's experts from the checkpoint (see the module docstring); local, no collective.
 
     Runs after the stage's own load (which gave every rank rank 0's experts).
@@ -185,6 +313,8 @@ def load_files(engine, directory, load_module_only, load_optimizer_states):
     path = os.path.join(directory, STATES_FILE.format(rank=_ep_rank(layers[0][2])))
     saved = torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
     exact = (saved is not None and saved["ep_sizes"] == [_ep_size(x) for _, _, x in layers] and not load_module_only)
+    if resharded:  # the stage's load cut this rank's experts out of the by-name state (add_local_experts)
+        return
     for name, param in engine.module.named_parameters():
         if not is_moe_param(param):
             continue

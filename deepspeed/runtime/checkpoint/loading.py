@@ -66,6 +66,7 @@ class _Load:
         self.refresh_masters = False
         self.needs_all_files = False
         self.with_state = False  # the optimizer state is loaded too (phase 2 rebuilds it)
+        self.experts_resharded = False  # saved at another expert-parallel size (runtime/expert_checkpoint.py)
 
     def _local(self, values):
         """A tensor-parallel engine keeps this rank's piece of every whole tensor (a universal folder's)."""
@@ -91,8 +92,12 @@ class _Load:
                                              universal=universal,
                                              mp_rank=self.mp_rank,
                                              mp_size=self.engine.mp_world_size)
-        check_module(saved.saved_shapes(), self.engine.module, self.strict, saved.model_path)
-        self.module_values = self._local(saved.module_values())
+        shapes, values = saved.saved_shapes(), saved.module_values()
+        self.experts_resharded = expert_checkpoint.resharding(self.engine, saved.directory)
+        if self.experts_resharded:  # another expert-parallel size: this rank's experts from the per-expert files
+            values, shapes = expert_checkpoint.local_module_values(self.engine, saved.directory, values, shapes)
+        check_module(shapes, self.engine.module, self.strict, saved.model_path)
+        self.module_values = self._local(values)
         if saved.per_rank:
             self._read_per_rank()
         elif self.has_optimizer:
@@ -150,6 +155,8 @@ class _Load:
         saved = self.saved
         full, frozen, self.scaler = saved.full_state(self.with_state)
         full, frozen = self._local(full), self._local(frozen)
+        if self.experts_resharded:
+            full = expert_checkpoint.add_local_experts(self.engine, saved.directory, full, self.with_state)
         if saved.per_rank:
             self.module_values = saved.module_values(full, frozen)
         if self.has_optimizer:
@@ -235,5 +242,6 @@ def load(engine,
         error = exc
     agree(error, None, group)
     plan.apply(load_lr_scheduler_states)
-    expert_checkpoint.load_files(engine, plan.saved.directory, load_module_only, load_optimizer_states)
+    expert_checkpoint.load_files(engine, plan.saved.directory, load_module_only, load_optimizer_states,
+                                 plan.experts_resharded and plan.apply_optimizer is not None)
     return plan.model_path, plan.client_state(load_lr_scheduler_states)
