@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """AutoEP: an unmodified Hugging Face MoE model trains with its experts sharded over expert-parallel ranks.
 
-The config section ``expert_parallel {enabled, autoep_size, preset_model, use_grouped_mm}``
-(upstream's keys) makes ``deepspeed.initialize`` replace, in every sparse MoE block of the model
-(``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``), the ``experts`` module by
-:class:`GroupedExperts`: this rank's ``num_experts / autoep_size`` experts (slices of the
-model's ``gate_up_proj`` / ``down_proj``, marked as expert parameters of ``ep_size_<ep>``).
-The block's router and its ``forward`` are left as they are, so the routing is the model's own,
-bit for bit; the router logits stay visible to ``output_router_logits``.
+The config section ``expert_parallel`` (upstream's keys, :mod:`deepspeed.moe.autoep_config`) makes
+``deepspeed.initialize`` replace, in every sparse MoE block of the model (the preset's block class,
+:mod:`deepspeed.moe.autoep_presets`), the ``experts`` module by :class:`GroupedExperts`: this rank's
+``num_experts / autoep_size`` experts (slices of the model's ``gate_up_proj`` / ``down_proj``, marked as
+expert parameters of ``ep_size_<ep>``). The block's router, its shared experts and its ``forward`` are left
+as they are, so the routing is the model's own, bit for bit, and the router logits stay visible to
+``output_router_logits``; where the config's routing keys ask for other routing, the router routes through
+:mod:`deepspeed.moe.autoep_router` (same parameters and module).
 
 :class:`GroupedExperts` is dropless: every route ``(token, expert, weight)`` the router chose
 is computed. Routes are sorted by expert; with ``autoep_size > 1`` the tokens travel to the rank
@@ -15,12 +16,13 @@ holding their expert and back through two all-to-alls of variable sizes over the
 expert-parallel group (the counts per expert are exchanged first); each local expert runs on its
 contiguous rows, by one grouped matrix multiply per projection (``torch.nn.functional.grouped_mm``
 on CUDA with ``use_grouped_mm``) or a loop over experts; the token's output is the sum of its
-routes' outputs times their weights, as the model computes it. A rank whose experts receive no
-token takes part in both exchanges with empty chunks and contributes a zero gradient.
+routes' outputs times their weights (``score_apply: pre``: the weights scale the inputs instead).
+A rank whose experts receive no token takes part in both exchanges with empty chunks and
+contributes a zero gradient.
 
 Bad input is an error on every rank before any collective: an unknown ``preset_model`` or one
 that does not match the model, a model without sparse MoE blocks, ``num_experts`` not divisible
-by ``autoep_size``, ``autoep_size`` not dividing the world, ZeRO stage 3.
+by ``autoep_size``, ``autoep_size`` not dividing the world, a routing that cannot be computed, ZeRO stage 3.
 """
 
 import re
