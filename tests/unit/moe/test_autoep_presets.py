@@ -323,3 +323,57 @@ def test_score_apply_pre_matches_weighting_inputs():
             want[t] += F.linear(F.silu(gate) * up, experts.down_proj[e])
     assert torch.allclose(grouped(x, idx, w), want, rtol=1e-5, atol=1e-6)
     assert not math.isclose(float(want.norm()), float(experts(x, idx, w).detach().norm()), rel_tol=1e-3)
+
+
+def _non_finite_on_one_rank(stage, offload):
+    """An infinite gradient in rank 1's local experts only: every rank skips the step (parameters unchanged); the
+    next window steps on every rank."""
+    import deepspeed
+    from deepspeed.utils import groups, safe_get_full_fp32_param
+    rank = torch.distributed.get_rank()
+    model = MODELS["deepseek_v3"]()
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {
+            "enabled": True
+        },
+        "zero_optimization": {
+            "stage": stage
+        },
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": 0.01
+            }
+        },
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": 2
+        }
+    }
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    experts = next(m for m in model.modules() if type(m).__name__ == "GroupedExperts")
+    before = {n: safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+    handle = experts.down_proj.register_hook(lambda g: g * float("inf")) if rank == 1 else None
+    ids = torch.arange(SEQ).unsqueeze(0) + rank
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    skipped = (not engine.was_step_applied(), engine.skipped_steps)
+    same = all(torch.equal(safe_get_full_fp32_param(p), before[n]) for n, p in model.named_parameters())
+    if handle is not None:
+        handle.remove()
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    applied = engine.was_step_applied()
+    moved = not torch.equal(safe_get_full_fp32_param(experts.down_proj), before["model.layers.1.mlp.experts.down_proj"])
+    engine.destroy()
+    groups.reset_mesh()
+    return skipped, same, applied, moved
+
+
+@pytest.mark.parametrize("stage, offload", [(2, False), (1, True)])
+def test_non_finite_expert_gradient_on_one_rank_skips_everywhere(stage, offload):
+    results = run_distributed(_non_finite_on_one_rank, 2, args=(stage, offload), timeout=T)
+    assert results == [((True, 1), True, True, True)] * 2, results
