@@ -150,6 +150,8 @@ def check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, l
     directory = tag_dir(load_dir, tag) if tag is not None else None
     if directory is None or not os.path.isdir(directory):
         return
+    if _upstream_autoep(directory):
+        return  # upstream's AutoEP layout: the reader gives every expert by name (checkpoint/upstream_autoep.py)
     mine = [_ep_size(x) for _, _, x in _layers(engine.module)]
     found = sorted(f for f in os.listdir(directory) if re.fullmatch(r"expp_rank_\d+_mp_rank_00_expert_states\.pt", f))
     if not found:
@@ -169,6 +171,42 @@ def check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, l
                               f"experts only. Load with load_module_only=True (the fp32 masters follow the module)")
 
 
+def _upstream_autoep(directory):
+    """Whether ``directory`` holds upstream's AutoEP checkpoint (read by ``checkpoint/upstream_autoep.py``)."""
+    from deepspeed.checkpoint.upstream_autoep import is_autoep
+    from deepspeed.runtime.checkpoint import paths
+    from deepspeed.runtime.checkpoint.reader import META_KEY
+    path = os.path.join(directory, paths.model_states_name(0))
+    if not os.path.exists(path):
+        return False
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    return META_KEY not in ckpt and is_autoep(ckpt)
+
+
+def localize_global_experts(engine, values):
+    """``values`` (name -> tensor, or name -> {key: tensor}) with every AutoEP expert entry that holds all the
+    experts (an upstream checkpoint's, stacked in global order) cut to this rank's rows. In place; returns it."""
+    from deepspeed.moe.autoep import GroupedExperts
+    for _, prefix, experts in _layers(engine.module):
+        if not isinstance(experts, GroupedExperts) or experts.num_local_experts == experts.num_experts:
+            continue
+        rows = slice(experts.first_expert, experts.first_expert + experts.num_local_experts)
+        for rest, _ in experts.named_parameters(recurse=False):
+            name = f"{prefix}.{rest}"
+            value = values.get(name)
+            if isinstance(value, dict):
+                values[name] = {
+                    k: (v[rows] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == experts.num_experts else v)
+                    for k, v in value.items()
+                }
+            elif isinstance(value, tuple):  # a shape
+                if value and value[0] == experts.num_experts:
+                    values[name] = (experts.num_local_experts, ) + tuple(value[1:])
+            elif torch.is_tensor(value) and value.shape[0] == experts.num_experts:
+                values[name] = value[rows]
+    return values
+
+
 def _saved_stage(directory):
     """The ZeRO stage that wrote ``directory`` (from rank 0's model-states file), or None."""
     from deepspeed.runtime.checkpoint import paths
@@ -185,6 +223,8 @@ def resharding(engine, directory):
     :func:`check_load`)."""
     if not has_experts(engine) or directory is None:
         return False
+    if _upstream_autoep(directory):
+        return True
     path = os.path.join(directory, STATES_FILE.format(rank=0))
     if not os.path.exists(path):
         return False
@@ -296,7 +336,7 @@ def load_files(engine, directory, load_module_only, load_optimizer_states, resha
 
     Runs after the stage's own load (which gave every rank rank 0's experts).
     """
-    if not has_experts(engine):
+    if not has_experts(engine) or resharded:  # resharded: the module and the by-name state held this rank's experts
         return
     stage = engine._stage
     layers = _layers(engine.module)
@@ -313,8 +353,6 @@ def load_files(engine, directory, load_module_only, load_optimizer_states, resha
     path = os.path.join(directory, STATES_FILE.format(rank=_ep_rank(layers[0][2])))
     saved = torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
     exact = (saved is not None and saved["ep_sizes"] == [_ep_size(x) for _, _, x in layers] and not load_module_only)
-    if resharded:  # the stage's load cut this rank's experts out of the by-name state (add_local_experts)
-        return
     for name, param in engine.module.named_parameters():
         if not is_moe_param(param):
             continue

@@ -94,8 +94,11 @@ class _Load:
                                              mp_size=self.engine.mp_world_size)
         shapes, values = saved.saved_shapes(), saved.module_values()
         self.experts_resharded = expert_checkpoint.resharding(self.engine, saved.directory)
-        if self.experts_resharded:  # another expert-parallel size: this rank's experts from the per-expert files
+        if self.experts_resharded and saved.reader is None:  # another ep size: this rank's experts, per-expert files
             values, shapes = expert_checkpoint.local_module_values(self.engine, saved.directory, values, shapes)
+        elif self.experts_resharded:  # upstream's AutoEP: its reader stacks every expert; this rank keeps its own
+            values = expert_checkpoint.localize_global_experts(self.engine, dict(values))
+            shapes = expert_checkpoint.localize_global_experts(self.engine, dict(shapes))
         check_module(shapes, self.engine.module, self.strict, saved.model_path)
         self.module_values = self._local(values)
         if saved.per_rank:
@@ -155,8 +158,11 @@ class _Load:
         saved = self.saved
         full, frozen, self.scaler = saved.full_state(self.with_state)
         full, frozen = self._local(full), self._local(frozen)
-        if self.experts_resharded:
+        if self.experts_resharded and saved.reader is None:
             full = expert_checkpoint.add_local_experts(self.engine, saved.directory, full, self.with_state)
+        elif self.experts_resharded:
+            expert_checkpoint.localize_global_experts(self.engine, full.fp32)
+            expert_checkpoint.localize_global_experts(self.engine, full.state)
         if saved.per_rank:
             self.module_values = saved.module_values(full, frozen)
         if self.has_optimizer:
@@ -242,6 +248,7 @@ def load(engine,
         error = exc
     agree(error, None, group)
     plan.apply(load_lr_scheduler_states)
-    expert_checkpoint.load_files(engine, plan.saved.directory, load_module_only, load_optimizer_states,
-                                 plan.experts_resharded and plan.apply_optimizer is not None)
+    expert_checkpoint.load_files(
+        engine, plan.saved.directory, load_module_only, load_optimizer_states, plan.experts_resharded
+        and (plan.apply_optimizer is not None or plan.saved.reader is not None))
     return plan.model_path, plan.client_state(load_lr_scheduler_states)

@@ -367,7 +367,8 @@ def _non_finite_on_one_rank(stage, offload):
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
     applied = engine.was_step_applied()
-    moved = not torch.equal(safe_get_full_fp32_param(experts.down_proj), before["model.layers.1.mlp.experts.down_proj"])
+    moved = not torch.equal(safe_get_full_fp32_param(experts.down_proj),
+                            before["model.layers.1.mlp.experts.down_proj"])
     engine.destroy()
     groups.reset_mesh()
     return skipped, same, applied, moved

@@ -201,3 +201,38 @@ def test_stage0_checkpoint_other_expert_parallel_size_loads_the_module_only(tmp_
     before anything changes; the module loads (each rank's experts from the per-expert files)."""
     for full, same, _ in run_distributed(_other_ep, 2, args=(str(tmp_path), ), timeout=T):
         assert full == "CheckpointError" and same
+
+
+def _from_upstream(fixture):
+    """Upstream 0.19.8's AutoEP checkpoint (ep 2, ZeRO 1) loaded at ep 2 and at ep 1 (fresh engines, other initial
+    weights): the next two losses equal those upstream recorded when it continued."""
+    import deepspeed
+    from deepspeed.utils import groups
+    from tests.unit.checkpoint.upstream.write_autoep_fixtures import TAG, ds_config, tokens
+    from tests.unit.moe.autoep_models import mixtral
+    rank = torch.distributed.get_rank()
+    want = torch.load(os.path.join(fixture, "trajectory.pt"))["losses"][rank]
+    bad = []
+    for ep in (2, 1):
+        config = ds_config(False)
+        config["expert_parallel"]["autoep_size"] = ep
+        engine, _, _, _ = deepspeed.initialize(model=mixtral(seed=9), config=config)
+        engine.load_checkpoint(fixture, tag=TAG)
+        got = []
+        for step in (2, 3):
+            ids = tokens(step, rank)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            got.append(float(loss.detach()))
+        engine.destroy()
+        groups.reset_mesh()
+        if any(abs(a - b) > 1e-6 * abs(b) for a, b in zip(got, want)):
+            bad.append(f"ep {ep}: {got} vs upstream's {want}")
+    return bad
+
+
+def test_upstream_autoep_checkpoint_loads_and_continues():
+    fixture = os.path.join(os.path.dirname(os.path.dirname(__file__)), "checkpoint", "upstream", "fixtures_autoep",
+                           "ep2-z1")
+    assert run_distributed(_from_upstream, 2, args=(fixture, ), timeout=T) == [[], []]
