@@ -113,6 +113,9 @@ class UpstreamCheckpoint:
         self.bf16 = bool((config.get("bf16") or config.get("bfloat16") or {}).get("enabled", False))
         self.hysteresis = int((config.get("fp16") or {}).get("hysteresis", 2))
         self.stage = 3 if self.per_rank else self._replicated_stage()
+        if upstream_autoep.is_autoep(model_states) and self.stage not in (1, 2):
+            raise NotImplementedError(f"{model_path}: an upstream AutoEP checkpoint of ZeRO stage {self.stage}; only "
+                                      f"stages 1 and 2 are read (docs/moe.md)")
 
     # ------------------------------------------------------------ what it is
     def _check_supported(self):
