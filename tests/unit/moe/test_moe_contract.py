@@ -210,7 +210,7 @@ def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer, offload=False):
     else:
         config["optimizer"] = {"type": "SGD", "params": {"lr": 0.0}}
     if offload:
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "super_offload": offload == "super"}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     if offload:
         stage_impl = engine._stage
@@ -299,6 +299,8 @@ def test_stage3_errors_on_every_rank():
 
 
 def test_moe_contract_offload():
-    """Experts with offload_optimizer (the pipelined host step) on ZeRO 1 and 2: ep 1 and 2, fp32 and bf16."""
-    cells = [(1, "fp32", 4, 2, 2, None, True), (2, "bf16", 1, 2, 1, None, True), (2, "fp32", 4, 1, 1, None, True)]
+    """Experts with offload_optimizer (the pipelined host step) on ZeRO 1 and 2: ep 1 and 2, fp32 and bf16, and with
+    super_offload (the step started in the boundary backward)."""
+    cells = [(1, "fp32", 4, 2, 2, None, True), (2, "bf16", 1, 2, 1, None, True), (2, "fp32", 4, 1, 1, None, True),
+             (1, "bf16", 4, 2, 1, None, "super")]
     assert run_distributed(_run_cells, 2, args=(cells, ), timeout=T) == [[], []]
