@@ -117,9 +117,10 @@ def write_files(engine, writer, directory):
     files = []
     layers = _layers(engine.module)
     for layer, prefix, experts in layers:
+        full = {id(p): _full(stage, p) for p in experts.parameters()}  # one gather per parameter (ZeRO-3)
         for e, entries in _local_entries(prefix, experts):
             values = {
-                key: (param.detach()[row] if row is not None else param.detach()).clone().cpu()
+                key: (full[id(param)][row] if row is not None else full[id(param)]).clone().cpu()
                 for key, (param, row) in entries.items()
             }
             if _is_writer(experts):
@@ -136,6 +137,13 @@ def write_files(engine, writer, directory):
         files.append((STATES_FILE.format(rank=_ep_rank(layers[0][2])), payload))
     for name, payload in files:
         writer.save(payload, os.path.join(directory, name))
+
+
+def _full(stage, param):
+    """The whole value of ``param`` in the model's dtype (ZeRO-3: gathered from the fp32 masters, a collective)."""
+    if hasattr(param, "ds_tensor") and stage is not None:
+        return stage.fp32_param(param).detach().to(param.dtype)
+    return param.detach()
 
 
 def check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, load_module_strict):
@@ -338,6 +346,8 @@ def load_files(engine, directory, load_module_only, load_optimizer_states, resha
     """
     if not has_experts(engine) or resharded:  # resharded: the module and the by-name state held this rank's experts
         return
+    if any(hasattr(p, "ds_tensor") for p in engine.module.parameters()):
+        return  # ZeRO-3 (expert-parallel size 1): the stage's own files hold every expert, sharded like the rest
     stage = engine._stage
     layers = _layers(engine.module)
     for layer, prefix, experts in layers:

@@ -288,6 +288,7 @@ def _run_cells(cells):
 # (preset, stage, ep, gas, dtype, offload, routing keys): every preset, stages 0-2, ep 1/2/4, GAS 1/4, fp32 and
 # bf16, the optimizer offloaded, routing keys (the auxiliary loss of Mixtral, Qwen3 and Qwen3.5 included)
 CELLS_2 = [("qwen3_moe", 2, 1, 1, "fp32", False, False), ("deepseek_v3", 2, 2, 4, "fp32", False, False),
+           ("deepseek_v3", 3, 1, 4, "fp32", False, False), ("qwen3_5_moe", 3, 1, 1, "bf16", True, False),
            ("qwen3_5_moe", 1, 2, 1, "bf16", True, False), ("deepseek_v2", 0, 1, 1, "fp32", False, True),
            ("deepseek_v3", 1, 2, 1, "fp32", False, True)]
 CELLS_4 = [("mixtral", 1, 4, 1, "fp32", False, False), ("deepseek_v2", 2, 4, 1, "fp32", False, False)]

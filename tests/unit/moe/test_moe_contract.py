@@ -9,7 +9,8 @@ parameters. Each rank's loss is its mean over its tokens plus the aux loss; the 
 rank's data with a model holding all ``E`` experts (tests/unit/moe/reference.py); bf16 cells
 compare with the same model at ep 1 in plain torch and bf16, so that both sides round alike.
 One micro-step sends every token to the experts of expert-parallel rank 0, so the other rank's
-experts receive no token in it. ZeRO 3 with experts raises NotImplementedError on every rank.
+experts receive no token in it. ZeRO 3 holds experts of expert-parallel size 1 (sharded like dense
+parameters); with a larger size it raises NotImplementedError on every rank.
 """
 
 import itertools
@@ -268,7 +269,10 @@ def _cells(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_contract(world):
-    failures = run_distributed(_run_cells, world, args=(_cells(world), ), timeout=T)
+    # ZeRO-3 holds experts of expert-parallel size 1 (every rank holds every expert): sharded like dense parameters
+    stage3 = [(3, "fp32", 4, 1, 2, None),
+              (3, "bf16", 1, 1, 1, "split")] if world == 2 else [(3, "fp32", 1, 1, 1, None)]
+    failures = run_distributed(_run_cells, world, args=(_cells(world) + stage3, ), timeout=T)
     assert failures == [[]] * world, failures[0]
 
 
