@@ -13,8 +13,8 @@ A causal LM with random weights (``--model``):
 
 seq 2048, micro-batch 1, bf16, AdamW, trains for ``--warmup`` + ``--steps`` steps under one system per process:
 
-* ``ours``: this package, ``expert_parallel`` (AutoEP, ep 1: grouped experts), ZeRO stage 2 (AutoEP on
-  ZeRO-3 is refused by this release);
+* ``ours``: this package, ``expert_parallel`` (AutoEP, ep 1: grouped experts), ZeRO stage 3;
+* ``ours_z2``: the same on ZeRO stage 2;
 * ``ours_z3_leaf``: this package, ZeRO-3 with the sparse MoE block as a leaf module;
 * ``upstream_z3_leaf``: upstream's ZeRO-3 with the sparse MoE block as a leaf module (the model's
   own experts, Hugging Face's ``grouped_mm`` experts implementation where available);
@@ -125,6 +125,14 @@ def build_model(args, dtype, device):
     return model.to(dtype)
 
 
+ZERO3 = {
+    "stage": 3,
+    "overlap_comm": True,
+    "stage3_prefetch_bucket_size": int(5e7),
+    "stage3_param_persistence_threshold": int(1e5)
+}
+
+
 def ds_config(args):
     optimizer = {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}}
     if args.system.startswith("upstream"):
@@ -144,22 +152,21 @@ def ds_config(args):
             "reduce_bucket_size": int(5e8)
         }
     }
-    if args.system in ("ours", "upstream_autoep"):
+    if args.system in ("ours", "ours_z2", "upstream_autoep"):
         cfg["expert_parallel"] = {
             "enabled": True,
             "autoep_size": 1,
             "preset_model": PRESETS[args.model],
             "use_grouped_mm": True
         }
-    if args.system == "upstream_autoep":
+    if args.system == "upstream_autoep" and args.upstream_autoep_stage == 3:
+        cfg["zero_optimization"] = dict(ZERO3)
+    elif args.system == "upstream_autoep":
         cfg["zero_optimization"]["stage"] = args.upstream_autoep_stage
+    if args.system == "ours":
+        cfg["zero_optimization"] = dict(ZERO3)
     if args.system.endswith("z3_leaf"):
-        cfg["zero_optimization"] = {
-            "stage": 3,
-            "overlap_comm": True,
-            "stage3_prefetch_bucket_size": int(5e7),
-            "stage3_param_persistence_threshold": int(1e5)
-        }
+        cfg["zero_optimization"] = dict(ZERO3)
     return cfg
 
 
@@ -167,7 +174,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--system",
                         required=True,
-                        choices=["ours", "ours_z3_leaf", "upstream_z3_leaf", "upstream_autoep"])
+                        choices=["ours", "ours_z2", "ours_z3_leaf", "upstream_z3_leaf", "upstream_autoep"])
     parser.add_argument("--model", default="qwen3_moe", choices=sorted(BLOCKS))
     parser.add_argument("--layers", type=int, default=None, help="default: 12 (qwen3_moe), else 8")
     parser.add_argument("--d_model", type=int, default=1024)
@@ -203,7 +210,7 @@ def main():
         "deepspeed": deepspeed.__version__,
         "deepspeed_file": deepspeed.__file__
     }
-    if args.system == "ours" or args.device == "cpu":
+    if args.system in ("ours", "ours_z2") or args.device == "cpu":
         args.hf_experts = None
     cuda = args.device == "cuda"
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Every system of benchmarks/moe_bench.py on the DeepSeek-V3-shaped and the Qwen3.6-MoE-shaped model, one after
-# another, on one GPU (one device call, about 4 minutes on one H100; each run is capped at SYSTEM_TIMEOUT seconds):
+# another, on one GPU (one device call, about 4-5 minutes on one H100; each run is capped at SYSTEM_TIMEOUT=35 s):
 #   bash benchmarks/moe_bench.sh [UPSTREAM=.whl-upstream] [extra moe_bench.py arguments]
 # UPSTREAM holds upstream DeepSpeed 0.19.8 for the GPU machine's Python: either wheels (UPSTREAM/*.whl: deepspeed
 # and its pure-Python dependencies) or UPSTREAM/whl (dependency wheels) and UPSTREAM/pkg (the deepspeed package).
-# MODELS (default "deepseek_v3 qwen3_6_moe") picks the models. Every RESULT line is printed and, with $OUT set,
+# MODELS (default "deepseek_v3 qwen3_6_moe") picks the models, SYSTEMS (default "ours ours_z2 upstream_autoep
+# upstream_z3_leaf"; also ours_z3_leaf) the systems. Every RESULT line is printed and, with $OUT set,
 # collected into $OUT/moe_bench.json.
 set -u
 UP=${1:-.whl-upstream}
@@ -22,16 +23,16 @@ elif ls "$UP"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream "$UP"/*.whl && have_upstream=1
 fi
 run() {  # run SYSTEM MODEL PYTHONPATH
-    PYTHONPATH=$3 timeout "${SYSTEM_TIMEOUT:-40}" python3 benchmarks/moe_bench.py --system "$1" --model "$2" \
+    PYTHONPATH=$3 timeout "${SYSTEM_TIMEOUT:-35}" python3 benchmarks/moe_bench.py --system "$1" --model "$2" \
         --warmup 2 --steps 4 "${@:4}" 2>&1 | grep -E "^RESULT|Error" | tail -3 | tee -a "$LOG"
 }
 for model in $MODELS; do
-    run ours "$model" "$PWD" "${@:2}"
-    run ours_z3_leaf "$model" "$PWD" "${@:2}"
-    if [ $have_upstream = 1 ]; then
-        run upstream_autoep "$model" /tmp/upstream "${@:2}"
-        run upstream_z3_leaf "$model" /tmp/upstream "${@:2}"
-    fi
+    for system in ${SYSTEMS:-ours ours_z2 upstream_autoep upstream_z3_leaf}; do
+        case $system in
+            upstream_*) [ $have_upstream = 1 ] && run "$system" "$model" /tmp/upstream "${@:2}" ;;
+            *) run "$system" "$model" "$PWD" "${@:2}" ;;
+        esac
+    done
 done
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
