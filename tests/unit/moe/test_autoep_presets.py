@@ -207,11 +207,12 @@ def _run(cell):
     """One training cell; returns the mismatches (empty when losses and gradients agree)."""
     import deepspeed
     from deepspeed.utils import groups, safe_get_full_grad
-    preset, stage, ep, gas, dtype, offload, keys = cell
+    preset, stage, ep, gas, dtype, offload, keys = cell[:7]
+    shape = cell[7] if len(cell) > 7 else {}  # the model's expert count and top-k
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     key_set, hf_overrides = KEY_CELLS[preset] if keys else ({}, {})
-    model = MODELS[preset]()
-    reference = MODELS[preset](**hf_overrides)
+    model = MODELS[preset](**shape)
+    reference = MODELS[preset](**shape, **hf_overrides)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": gas,
@@ -292,6 +293,16 @@ CELLS_2 = [("qwen3_moe", 2, 1, 1, "fp32", False, False), ("deepseek_v3", 2, 2, 4
            ("qwen3_5_moe", 1, 2, 1, "bf16", True, False), ("deepseek_v2", 0, 1, 1, "fp32", False, True),
            ("deepseek_v3", 1, 2, 1, "fp32", False, True)]
 CELLS_4 = [("mixtral", 1, 4, 1, "fp32", False, False), ("deepseek_v2", 2, 4, 1, "fp32", False, False)]
+
+
+def _random_shape(seed):
+    """A seeded random expert count (even: ep 2 divides it) and top-k for a model without expert groups."""
+    g = torch.Generator().manual_seed(seed)
+    experts = 2 * int(torch.randint(1, 5, (1, ), generator=g))
+    return {"experts": experts, "top_k": int(torch.randint(1, min(experts, 4) + 1, (1, ), generator=g))}
+
+
+CELLS_2.append(("qwen3_5_moe", 2, 2, 1, "fp32", False, False, _random_shape(40)))  # 6 experts (3 per rank), top-4
 
 
 def test_presets_world2():
