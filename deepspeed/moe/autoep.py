@@ -69,6 +69,10 @@ def resolve_preset(model, cfg):
     for name, preset in PRESETS.items():
         if model_type in preset.model_types and _sparse_blocks(model, preset.block):
             return name
+    if cfg.moe_layer_pattern is not None:
+        raise NotImplementedError(f"config key 'expert_parallel.moe_layer_pattern' on a model that matches no preset "
+                                  f"(model_type {model_type!r}): upstream's custom preset, which replaces the whole "
+                                  f"block by its own, is not supported; presets: {sorted(PRESETS)} (docs/moe.md)")
     raise ValueError(f"expert_parallel is enabled but the model (model_type {model_type!r}, {type(model).__name__}) "
                      f"matches no AutoEP preset; supported: {sorted(PRESETS)}")
 

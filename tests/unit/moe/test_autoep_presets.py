@@ -191,6 +191,25 @@ def test_upstream_keys_parse_honoured_or_refused_by_name():
         AutoEPConfig.from_section({"autoep_sise": 2})
 
 
+def test_block_keys_and_custom_presets_refused_by_name():
+    """Keys naming children other than the preset block's own, and a custom preset (moe_layer_pattern on a model no
+    preset serves), raise naming the key before anything is replaced; a pattern selecting blocks is honoured."""
+    from deepspeed.moe.autoep import block_plan, check_autoep
+    model = MODELS["deepseek_v3"]()
+    with pytest.raises(NotImplementedError, match="shared_experts_pattern"):
+        check_autoep(model, _cfg(shared_experts_pattern="shared_expert"), 2, 2)
+    with pytest.raises(NotImplementedError, match="has_shared_experts"):
+        check_autoep(model, _cfg(has_shared_experts=False), 2, 2)
+    check_autoep(model, _cfg(router_pattern="gate", expert_w1="gate_up_proj", has_shared_experts=True), 2, 2)
+    picked = block_plan(model, _cfg(moe_layer_pattern=r"model\.layers\.2\.mlp"), "deepseek_v3")
+    assert [name for name, _, _ in picked] == ["model.layers.2.mlp"]
+    with pytest.raises(ValueError, match="moe_layer_pattern"):
+        block_plan(model, _cfg(moe_layer_pattern=r"model\.layers\.0\.mlp"), "deepseek_v3")  # the dense layer
+    model.config.model_type = "my_moe"
+    with pytest.raises(NotImplementedError, match="moe_layer_pattern"):
+        check_autoep(model, _cfg(moe_layer_pattern=r"model\.layers\.\d+\.mlp"), 2, 2)
+
+
 # ------------------------------------------------------------------------------------------------ training
 
 
