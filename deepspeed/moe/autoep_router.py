@@ -5,8 +5,8 @@
 ``weight`` (and ``e_score_correction_bias``), returning what every HF router returns:
 ``(logits [T, E], weights [T, k], experts [T, k])``. :func:`install_routing` makes a model's router
 module use it: the module keeps its parameters, buffers, name and hooks (its class becomes a
-subclass of its own whose ``forward`` is :func:`route`), so checkpoints and HF's router-logit
-recording see the same module. With a spec equal to the model's own router the result is the
+subclass of its own, ``AutoEPRouted<class>``, whose ``forward`` is :func:`route`), so checkpoints and HF's
+router-logit recording (an ``isinstance`` match) see the same module. With a spec equal to the model's own router the result is the
 model's, bit for bit (the same operations in the same order; tested against the HF model).
 """
 
@@ -63,8 +63,9 @@ def install_routing(router, spec):
     base = getattr(cls, "_autoep_base", cls)
     routed = _ROUTED_CLASSES.get(base)
     if routed is None:
-        routed = type(base.__name__, (base, ), {"forward": _routed_forward, "_autoep_base": base})
-        routed.__qualname__ = base.__qualname__
+        name = f"AutoEPRouted{base.__name__}"
+        routed = type(name, (base, ), {"forward": _routed_forward, "_autoep_base": base, "__module__": __name__})
+        globals()[name] = routed  # found by name, so that a model holding it pickles
         _ROUTED_CLASSES[base] = routed
     router.__class__ = routed
     router._autoep_routing = spec
