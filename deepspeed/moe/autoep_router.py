@@ -5,9 +5,10 @@
 ``weight`` (and ``e_score_correction_bias``), returning what every HF router returns:
 ``(logits [T, E], weights [T, k], experts [T, k])``. :func:`install_routing` makes a model's router
 module use it: the module keeps its parameters, buffers, name and hooks (its class becomes a
-subclass of its own, ``AutoEPRouted<class>``, whose ``forward`` is :func:`route`), so checkpoints and HF's
-router-logit recording (an ``isinstance`` match) see the same module. With a spec equal to the model's own router the result is the
-model's, bit for bit (the same operations in the same order; tested against the HF model).
+subclass of its own, ``AutoEPRouted<class>``, whose ``forward`` is :func:`route`), so checkpoints and
+HF's router-logit recording (an ``isinstance`` match) see the same module. With a spec equal to the
+model's own router the result is the model's, bit for bit (the same operations in the same order;
+tested against the HF model).
 """
 
 import torch
