@@ -254,7 +254,8 @@ def _my_expert_values(engine, directory):
                 if row is None:
                     out[name] = values[key]
                 else:
-                    out.setdefault(name, torch.empty(param.shape, dtype=values[key].dtype))[row].copy_(values[key])
+                    out.setdefault(name, torch.empty(getattr(param, "ds_shape", param.shape),
+                                                     dtype=values[key].dtype))[row].copy_(values[key])
     return out
 
 

@@ -108,9 +108,9 @@ def test_resume_is_exact(kind, stage, ep, tmp_path):
     assert {f"expp_rank_{r}_mp_rank_00_expert_states.pt" for r in range(ep)} <= set(files)
 
 
-def _reshard(kind, stage, directory):
-    """Save at ep 2, load (fully: optimizer state too) at ep 1 and 4: the next losses and values equal the continued
-    run's (its experts read on their new ranks)."""
+def _reshard(kind, stage, directory, targets=((1, None), (4, None))):
+    """Save at ep 2, load (fully: optimizer state too) at each ``(ep, stage)`` of ``targets`` (None: the saving
+    stage): the next losses and values equal the continued run's (its experts read on their new ranks)."""
     from deepspeed.utils import groups
     engine, _ = _engine(kind, stage, 2, 0)
     _train(engine, kind, 2, 0)
@@ -119,9 +119,9 @@ def _reshard(kind, stage, directory):
     want = _global_values(engine)
     engine.destroy()
     bad = []
-    for ep in (1, 4):
+    for ep, load_stage in targets:
         groups.reset_mesh()
-        engine, _ = _engine(kind, stage, ep, 1)
+        engine, _ = _engine(kind, stage if load_stage is None else load_stage, ep, 1)
         engine.load_checkpoint(directory, tag="t")
         got_losses = _train(engine, kind, 2, 2)
         got = _global_values(engine)
@@ -161,11 +161,13 @@ def _rank_values(engine):
 
 
 def _reshard_cells(directory):
-    return _reshard("moe", 2, os.path.join(directory, "moe")) + _reshard("autoep", 1, os.path.join(directory, "ep"))
+    return _reshard("moe", 2, os.path.join(directory, "moe")) + _reshard(
+        "autoep", 1, os.path.join(directory, "ep"), ((1, None), (4, None), (1, 3)))
 
 
 def test_reshard_across_expert_parallel_sizes(tmp_path):
-    """The MoE layer on ZeRO 2 and AutoEP (Mixtral) on ZeRO 1, Adam, world 4: saved at ep 2, loaded at 1 and 4."""
+    """The MoE layer on ZeRO 2 and AutoEP (Mixtral) on ZeRO 1, Adam, world 4: saved at ep 2, loaded at 1 and 4 (AutoEP
+    also into ZeRO-3 at ep 1)."""
     assert run_distributed(_reshard_cells, 4, args=(str(tmp_path), ), timeout=T) == [[]] * 4
 
 
