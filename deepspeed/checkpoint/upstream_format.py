@@ -42,6 +42,7 @@ import os
 import torch
 
 from deepspeed.checkpoint import constants as C
+from deepspeed.checkpoint import upstream_autoep
 from deepspeed.runtime.checkpoint.reader import META_KEY, load_file
 from deepspeed.runtime.checkpoint.reshard import STEP_KEY, FullState
 from deepspeed.runtime.checkpoint.validate import CheckpointError
@@ -112,11 +113,17 @@ class UpstreamCheckpoint:
         self.bf16 = bool((config.get("bf16") or config.get("bfloat16") or {}).get("enabled", False))
         self.hysteresis = int((config.get("fp16") or {}).get("hysteresis", 2))
         self.stage = 3 if self.per_rank else self._replicated_stage()
+        if upstream_autoep.is_autoep(model_states) and self.stage not in (1, 2):
+            raise NotImplementedError(f"{model_path}: an upstream AutoEP checkpoint of ZeRO stage {self.stage}; only "
+                                      f"stages 1 and 2 are read (docs/moe.md)")
 
     # ------------------------------------------------------------ what it is
     def _check_supported(self):
         names = sorted(os.listdir(self.directory))
+        autoep = upstream_autoep.is_autoep(self.checkpoint)
         for name in names:
+            if autoep and upstream_autoep.EXPERT_FILE.fullmatch(name):
+                continue  # upstream AutoEP's experts: read by upstream_autoep
             if name.startswith(C.LAYER_FILE_PREFIX) or "expert_" in name:
                 kind = "pipeline-parallel layer" if name.startswith(C.LAYER_FILE_PREFIX) else "mixture-of-experts"
                 raise NotImplementedError(f"{os.path.join(self.directory, name)}: a {kind} file of an upstream "
@@ -328,15 +335,26 @@ class UpstreamCheckpoint:
                 raise CheckpointError(f"{path}: '{C.SINGLE_PARTITION_OF_FP32_GROUPS}' should hold {len(shapes)} "
                                       f"partitions (one per param group of '{C.PARAM_SHAPES}')")
         full = FullState(group_names=[list(group.keys()) for group in shapes])
+        base0 = saved[0][C.BASE_OPTIMIZER_STATE]
+        experts = {g for g in range(len(shapes)) if upstream_autoep.is_expert_group(base0, g)}
+        for g in experts:  # upstream AutoEP's experts, in this package's names (experts stacked in global order)
+            names, fp32, state = upstream_autoep.expert_group(self.checkpoint, saved, files, g, shapes[g],
+                                                              self._group_state, with_state)
+            full.group_names[g] = names
+            full.fp32.update(fp32)
+            full.state.update(state)
         for g, group in enumerate(shapes):
+            if g in experts:
+                continue
             pieces = self._piece_finder(saved, files, g, group)
             for name, shape in group.items():
-                full.fp32[name] = pieces(lambda osd: osd[C.SINGLE_PARTITION_OF_FP32_GROUPS][g], name, shape,
-                                         C.SINGLE_PARTITION_OF_FP32_GROUPS).float()
+                full.fp32[upstream_autoep.rename(name)] = pieces(lambda osd: osd[C.SINGLE_PARTITION_OF_FP32_GROUPS][g],
+                                                                 name, shape,
+                                                                 C.SINGLE_PARTITION_OF_FP32_GROUPS).float()
+            full.group_names[g] = [upstream_autoep.rename(name) for name in group]
         scaler = self._scaler(saved[0])
         if not with_state:
             return full, scaler
-        base0 = saved[0][C.BASE_OPTIMIZER_STATE]
         if isinstance(base0, dict):
             full.groups = [{k: v for k, v in group.items() if k != "params"} for group in base0[C.PARAM_GROUPS]]
         else:  # an elastic save keeps no hyperparameters: this engine's stay
@@ -345,23 +363,27 @@ class UpstreamCheckpoint:
             raise CheckpointError(f"{files[0]}: {len(full.groups)} optimizer param groups for {len(shapes)} groups "
                                   f"of '{C.PARAM_SHAPES}'")
         for g, group in enumerate(shapes):
+            if g in experts:
+                continue
             pieces = self._piece_finder(saved, files, g, group)
             states = [self._group_state(osd, g, path) for osd, path in zip(saved, files)]
             for key, value in states[0].items():
                 if key == STEP_KEY or not torch.is_tensor(value) or value.dim() == 0:
                     for name in group:
-                        full.state.setdefault(name, {})[key] = value.clone() if torch.is_tensor(value) else value
+                        full.state.setdefault(upstream_autoep.rename(name),
+                                              {})[key] = value.clone() if torch.is_tensor(value) else value
                     continue
                 for rank, state in enumerate(states):
                     if not torch.is_tensor(state.get(key)) or state[key].dim() != 1:
                         raise NotImplementedError(f"{files[rank]}: optimizer state '{key}' of param group {g} is not "
                                                   f"a flat partition; this package cannot map it")
                 for name, shape in group.items():
-                    full.state.setdefault(name, {})[key] = pieces(lambda osd, r=None: None,
-                                                                  name,
-                                                                  shape,
-                                                                  key,
-                                                                  states=[s[key] for s in states])
+                    full.state.setdefault(upstream_autoep.rename(name),
+                                          {})[key] = pieces(lambda osd, r=None: None,
+                                                            name,
+                                                            shape,
+                                                            key,
+                                                            states=[s[key] for s in states])
         return full, scaler
 
     @staticmethod
@@ -507,8 +529,18 @@ class UpstreamCheckpoint:
         return frozen
 
     def module_values(self):
-        """name -> value of the module's own entries: stages 0-2 the saved module, stage 3 its buffers."""
-        return module_values(self.checkpoint, self.per_rank)
+        """name -> value of the module's own entries: stages 0-2 the saved module, stage 3 its buffers (an AutoEP
+        checkpoint's in this package's names, every expert stacked in global order)."""
+        values = module_values(self.checkpoint, self.per_rank)
+        if upstream_autoep.is_autoep(self.checkpoint):
+            values = upstream_autoep.module_values(self.directory, self.checkpoint, values)
+        return values
+
+    def module_shapes(self):
+        """``{name: shape}`` of :meth:`module_values` for an AutoEP checkpoint (renamed, experts added), else None."""
+        if not upstream_autoep.is_autoep(self.checkpoint):
+            return None
+        return {name: tuple(value.shape) for name, value in self.module_values().items() if torch.is_tensor(value)}
 
 
 def find_model_states(directory):

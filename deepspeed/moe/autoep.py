@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """AutoEP: an unmodified Hugging Face MoE model trains with its experts sharded over expert-parallel ranks.
 
-The config section ``expert_parallel {enabled, autoep_size, preset_model, use_grouped_mm}``
-(upstream's keys) makes ``deepspeed.initialize`` replace, in every sparse MoE block of the model
-(``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``), the ``experts`` module by
-:class:`GroupedExperts`: this rank's ``num_experts / autoep_size`` experts (slices of the
-model's ``gate_up_proj`` / ``down_proj``, marked as expert parameters of ``ep_size_<ep>``).
-The block's router and its ``forward`` are left as they are, so the routing is the model's own,
-bit for bit; the router logits stay visible to ``output_router_logits``.
+The config section ``expert_parallel`` (upstream's keys, :mod:`deepspeed.moe.autoep_config`) makes
+``deepspeed.initialize`` replace, in every sparse MoE block of the model (the preset's block class,
+:mod:`deepspeed.moe.autoep_presets`), the ``experts`` module by :class:`GroupedExperts`: this rank's
+``num_experts / autoep_size`` experts (slices of the model's ``gate_up_proj`` / ``down_proj``, marked as
+expert parameters of ``ep_size_<ep>``). The block's router, its shared experts and its ``forward`` are left
+as they are, so the routing is the model's own, bit for bit, and the router logits stay visible to
+``output_router_logits``; where the config's routing keys ask for other routing, the router routes through
+:mod:`deepspeed.moe.autoep_router` (same parameters and module).
 
 :class:`GroupedExperts` is dropless: every route ``(token, expert, weight)`` the router chose
 is computed. Routes are sorted by expert; with ``autoep_size > 1`` the tokens travel to the rank
@@ -15,147 +16,119 @@ holding their expert and back through two all-to-alls of variable sizes over the
 expert-parallel group (the counts per expert are exchanged first); each local expert runs on its
 contiguous rows, by one grouped matrix multiply per projection (``torch.nn.functional.grouped_mm``
 on CUDA with ``use_grouped_mm``) or a loop over experts; the token's output is the sum of its
-routes' outputs times their weights, as the model computes it. A rank whose experts receive no
-token takes part in both exchanges with empty chunks and contributes a zero gradient.
+routes' outputs times their weights (``score_apply: pre``: the weights scale the inputs instead).
+A rank whose experts receive no token takes part in both exchanges with empty chunks and
+contributes a zero gradient.
 
 Bad input is an error on every rank before any collective: an unknown ``preset_model`` or one
 that does not match the model, a model without sparse MoE blocks, ``num_experts`` not divisible
-by ``autoep_size``, ``autoep_size`` not dividing the world, ZeRO stage 3.
+by ``autoep_size``, ``autoep_size`` not dividing the world, a routing that cannot be computed, ZeRO stage 3.
 """
 
-from dataclasses import dataclass
-from typing import Optional
+import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import deepspeed.comm as dist
+from deepspeed.moe.autoep_config import AutoEPConfig
+from deepspeed.moe.autoep_presets import PRESETS, check_block_keys, own_routing, requested_routing
+from deepspeed.moe.autoep_router import install_routing
 from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
 from deepspeed.moe.sharded_moe import _all_to_all
 from deepspeed.moe.utils import mark_expert_param
 from deepspeed.utils import groups
-
-# preset -> (HF model_type values, sparse block class name, config attribute holding num_experts)
-PRESETS = {
-    "mixtral": (("mixtral", ), "MixtralSparseMoeBlock", "num_local_experts"),
-    "qwen3_moe": (("qwen3_moe", ), "Qwen3MoeSparseMoeBlock", "num_experts"),
-}
-SUPPORTED_KEYS = ("enabled", "autoep_size", "preset_model", "use_grouped_mm", "disable_triton_grouped_mm")
-# upstream keys this release accepts only at their default value (the model's own routing is kept)
-DEFAULT_ONLY = {
-    "expert_tensor_parallel_size": 1,
-    "top_k": "auto",
-    "score_func": "auto",
-    "score_apply": "auto",
-    "combine_impl": "auto",
-    "row_weighting_impl": "auto",
-    "routed_scaling_factor": "auto",
-    "route_norm": None,
-    "route_scale": 1.0,
-    "comm_backend": "comm",
-    "moe_layer_pattern": None,
-    "expert_pattern": None,
-    "router_pattern": None,
-    "load_balance_coeff": None,  # upstream refuses any other value too
-    "validate_folding_routing": False,
-    "async_split_plan": False,
-    "gate_up_impl": "separate",
-    "comm_num_sm": 12,
-    "comm_qp_margin": 4,
-    "comm_max_tokens_per_rank": 0,
-    "num_expert_groups": None,
-    "num_limited_groups": None,
-    "expert_w1": None,
-    "expert_w2": None,
-    "num_experts_attr": None,
-    "top_k_attr": None,
-    "has_shared_experts": None,
-    "shared_experts_pattern": None,
-    "shared_experts_gate_pattern": None,
-    "expert_activation": None,
-}
-
-
-@dataclass(frozen=True)
-class AutoEPConfig:
-    """The ``expert_parallel`` config section."""
-    enabled: bool = False
-    autoep_size: int = 1
-    preset_model: Optional[str] = None
-    use_grouped_mm: bool = True
-
-    @classmethod
-    def from_section(cls, section):
-        """Parse the section (a dict or None); ValueError / NotImplementedError name the offending key."""
-        if section is None:
-            return cls()
-        if not isinstance(section, dict):
-            raise ValueError(f"config section 'expert_parallel' must be a dict, got {type(section).__name__}")
-        for key, value in section.items():
-            if key in SUPPORTED_KEYS:
-                continue
-            if key in DEFAULT_ONLY:
-                if value != DEFAULT_ONLY[key]:
-                    raise NotImplementedError(f"config key 'expert_parallel.{key}'={value!r} is not supported (only "
-                                              f"{DEFAULT_ONLY[key]!r}); see docs/moe.md")
-                continue
-            raise ValueError(f"unknown config key 'expert_parallel.{key}'; accepted: "
-                             f"{', '.join(SUPPORTED_KEYS + tuple(DEFAULT_ONLY))}")
-        size = section.get("autoep_size", 1)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"config key 'expert_parallel.autoep_size' must be a positive int, got {size!r}")
-        preset = section.get("preset_model")
-        if preset is not None and preset not in PRESETS:
-            raise ValueError(f"config key 'expert_parallel.preset_model'={preset!r} is not a known preset; known: "
-                             f"{sorted(PRESETS)}")
-        return cls(enabled=bool(section.get("enabled", False)),
-                   autoep_size=size,
-                   preset_model=preset,
-                   use_grouped_mm=bool(section.get("use_grouped_mm", True)))
 
 
 def _model_type(model):
     return getattr(getattr(model, "config", None), "model_type", None)
 
 
-def _sparse_blocks(model, class_name):
-    return [(name, module) for name, module in model.named_modules() if type(module).__name__ == class_name]
+def _sparse_blocks(model, class_name, pattern=None):
+    """``(name, module)`` of every block of ``class_name`` (whose name fully matches ``pattern``, when given)."""
+    rx = re.compile(pattern) if pattern is not None else None
+    return [(name, module) for name, module in model.named_modules()
+            if type(module).__name__ == class_name and (rx is None or rx.fullmatch(name))]
 
 
 def resolve_preset(model, cfg):
     """The preset name for ``model`` (the configured one, checked, or the one its ``model_type`` names)."""
     model_type = _model_type(model)
+    for name, preset in PRESETS.items():
+        for refused_type, why in preset.unsupported_model_types:
+            if model_type == refused_type and cfg.preset_model in (None, name):
+                raise ValueError(f"AutoEP preset '{name}' does not serve model_type {model_type!r}: {why}")
     if cfg.preset_model is not None:
-        types, block, _ = PRESETS[cfg.preset_model]
-        if model_type not in types or not _sparse_blocks(model, block):
+        preset = PRESETS[cfg.preset_model]
+        if model_type not in preset.model_types or not _sparse_blocks(model, preset.block):
             raise ValueError(f"expert_parallel.preset_model='{cfg.preset_model}' does not match the model "
                              f"(model_type {model_type!r}, {type(model).__name__}): it expects model_type in "
-                             f"{list(types)} with {block} modules")
+                             f"{list(preset.model_types)} with {preset.block} modules")
         return cfg.preset_model
-    for name, (types, block, _) in PRESETS.items():
-        if model_type in types and _sparse_blocks(model, block):
+    for name, preset in PRESETS.items():
+        if model_type in preset.model_types and _sparse_blocks(model, preset.block):
             return name
+    if cfg.moe_layer_pattern is not None:
+        raise NotImplementedError(f"config key 'expert_parallel.moe_layer_pattern' on a model that matches no preset "
+                                  f"(model_type {model_type!r}): upstream's custom preset, which replaces the whole "
+                                  f"block by its own, is not supported; presets: {sorted(PRESETS)} (docs/moe.md)")
     raise ValueError(f"expert_parallel is enabled but the model (model_type {model_type!r}, {type(model).__name__}) "
                      f"matches no AutoEP preset; supported: {sorted(PRESETS)}")
+
+
+def num_experts_of(model, cfg, preset):
+    """The model's number of routed experts (``num_experts_attr`` when set, else the preset's attribute)."""
+    attr = cfg.num_experts_attr or PRESETS[preset].num_experts_attr
+    if not hasattr(model.config, attr):
+        raise ValueError(f"expert_parallel.num_experts_attr={attr!r}: the model config has no such attribute")
+    return int(getattr(model.config, attr))
+
+
+def block_plan(model, cfg, preset):
+    """``[(name, block, routing or None)]``: the blocks AutoEP shards and, where the config asks for routing other
+    than the model's own, the :class:`RoutingSpec` to route with."""
+    blocks = _sparse_blocks(model, PRESETS[preset].block, cfg.moe_layer_pattern)
+    if not blocks:
+        raise ValueError(f"expert_parallel.moe_layer_pattern={cfg.moe_layer_pattern!r} matches none of the "
+                         f"model's {PRESETS[preset].block} modules")
+    num_experts = num_experts_of(model, cfg, preset)
+    own = own_routing(preset, model.config)
+    spec = requested_routing(own, cfg, model.config, num_experts)
+    plan = []
+    for name, block in blocks:
+        held = int(block.experts.gate_up_proj.shape[0])
+        if held != num_experts:
+            raise ValueError(f"AutoEP: block '{name}' holds {held} experts, the model config says {num_experts}")
+        plan.append((name, block, None if spec == own else spec))
+    return plan
 
 
 def check_autoep(model, cfg, world_size, zero_stage, sequence_parallel_size=1):
     """Every check that needs no collective (module docstring); returns the preset name."""
     preset = resolve_preset(model, cfg)
-    _, block, experts_attr = PRESETS[preset]
-    num_experts = int(getattr(model.config, experts_attr))
+    check_block_keys(cfg, preset)
+    block_plan(model, cfg, preset)
+    num_experts = num_experts_of(model, cfg, preset)
     ep = cfg.autoep_size
     if num_experts % ep != 0:
         raise ValueError(f"expert_parallel.autoep_size={ep} must divide the model's number of experts "
-                         f"({experts_attr}={num_experts})")
-    tokens_ranks = world_size // max(1, int(sequence_parallel_size or 1)) * max(1, int(sequence_parallel_size or 1))
-    if world_size % ep != 0 or tokens_ranks % ep != 0:
+                         f"({cfg.num_experts_attr or PRESETS[preset].num_experts_attr}={num_experts})")
+    if world_size % ep != 0:
         raise ValueError(f"expert_parallel.autoep_size={ep} must divide the world size ({world_size})")
-    if zero_stage == 3:
-        raise NotImplementedError("expert_parallel (AutoEP) with ZeRO stage 3 is not supported: stage 3 shards every "
-                                  "parameter over all data-parallel ranks; use ZeRO stage 0, 1 or 2 (see docs/moe.md)")
+    if zero_stage == 3 and ep > 1:
+        raise NotImplementedError(f"expert_parallel (AutoEP) with autoep_size={ep} on ZeRO stage 3 is not supported: "
+                                  f"stage 3 shards every parameter over all data-parallel ranks; use autoep_size 1 "
+                                  f"on ZeRO-3, or ZeRO stage 0, 1 or 2 (see docs/moe.md)")
     return preset
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+# upstream's expert_activation names this release computes: act(gate) * up
+_ACTIVATIONS = {"swiglu": F.silu, "geglu_tanh": _gelu_tanh}
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -178,8 +151,9 @@ class GroupedExperts(nn.Module):
     the result of the model's own experts module (module docstring).
     """
 
-    def __init__(self, experts, ep_size, ep_rank, use_grouped_mm=True):
+    def __init__(self, experts, ep_size, ep_rank, use_grouped_mm=True, score_apply="post", activation=None):
         super().__init__()
+        self.score_apply = score_apply
         num_experts = int(experts.num_experts)
         self.num_experts = num_experts
         self.ep_size = int(ep_size)
@@ -188,7 +162,7 @@ class GroupedExperts(nn.Module):
         self.first_expert = self.ep_rank * self.num_local_experts
         self.hidden_dim = experts.hidden_dim
         self.intermediate_dim = experts.intermediate_dim
-        self.act_fn = experts.act_fn
+        self.act_fn = _ACTIVATIONS[activation] if activation is not None else experts.act_fn
         self.use_grouped_mm = use_grouped_mm
         self.expert_group_name = groups.expert_group_name(self.ep_size)
         layout = classify_fused_gate_up_layout(experts.gate_up_proj.shape, experts.down_proj.shape)
@@ -250,13 +224,18 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         token_of = order // k
         rows = hidden_states.index_select(0, token_of)
+        weights = top_k_weights.reshape(-1).index_select(0, order)
+        if self.score_apply == "pre":  # the weight scales the expert's input (upstream's "pre"), in float32
+            rows = (rows.float() * weights.unsqueeze(1)).to(rows.dtype)
         counts_device = torch.bincount(flat, minlength=self.num_experts)
         if self.ep_size == 1:
             out_rows = self._grouped(rows, counts_device)
         else:
             out_rows = self._exchange_and_compute(rows, counts_device)
-        weights = top_k_weights.reshape(-1).index_select(0, order)
-        weighted = (out_rows * weights.unsqueeze(1)).to(hidden_states.dtype)
+        if self.score_apply == "pre":
+            weighted = out_rows.to(hidden_states.dtype)
+        else:
+            weighted = (out_rows * weights.unsqueeze(1)).to(hidden_states.dtype)
         out = torch.zeros_like(hidden_states)
         return out.index_add(0, token_of, weighted)
 
@@ -297,11 +276,13 @@ def apply_autoep(model, cfg, ep_rank):
     Returns ``{id(old parameter): (old parameter, new parameter)}`` for the optimizer's param groups to follow.
     """
     preset = resolve_preset(model, cfg)
-    _, block_class, _ = PRESETS[preset]
     replaced = {}
-    for _, block in _sparse_blocks(model, block_class):
+    for _, block, routing in block_plan(model, cfg, preset):
         old = block.experts
-        new = GroupedExperts(old, cfg.autoep_size, ep_rank, cfg.use_grouped_mm)
+        score_apply = routing.score_apply if routing is not None else "post"
+        new = GroupedExperts(old, cfg.autoep_size, ep_rank, cfg.use_grouped_mm, score_apply, cfg.expert_activation)
+        if routing is not None:
+            install_routing(block.gate, routing)
         # The old parameter is kept in the entry: an id is only unique while its object lives.
         replaced[id(old.gate_up_proj)] = (old.gate_up_proj, new.gate_up_proj)
         replaced[id(old.down_proj)] = (old.down_proj, new.down_proj)

@@ -17,11 +17,18 @@ model-states file (written by rank 0) cannot hold them. Beside the stage's files
 
 Loading (after the stage's own load): every rank reads its experts' files and its
 expert-parallel rank's states file and sets the module values, the fp32 masters and the
-optimizer state, so a resume continues exactly. Onto another expert-parallel size, the per-expert
-files still give each rank its new experts: ``load_module_only=True`` (or
-``load_optimizer_states=False``) loads them and refreshes the masters; a full load raises a
-``CheckpointError`` on every rank before anything is changed, because the partitioned optimizer
-files are laid out for the saved expert-parallel size.
+optimizer state, so a resume continues exactly.
+
+Onto another expert-parallel size (a checkpoint of ZeRO 1 or 2; resharding): the module's expert
+entries are replaced by this rank's new experts read from the per-expert files
+(:func:`local_module_values`), the stage's partitions give the dense parameters by name (expert
+buckets are skipped, ``checkpoint/reshard.py``), and :func:`add_local_experts` adds this rank's
+experts to that by-name state from every expert states file, indexed by global expert (fp32 values
+and per-element optimizer state; the group's scalars such as ``step`` from the saved group). The
+stage then cuts it into its own layout, so the next steps equal the continued run's.
+``load_module_only=True`` loads the experts' module values and refreshes the masters. A ZeRO-0
+checkpoint (its optimizer state lives in rank 0's model-states file, with rank 0's experts only)
+loads onto another size only with ``load_module_only``.
 """
 
 import os
@@ -110,9 +117,10 @@ def write_files(engine, writer, directory):
     files = []
     layers = _layers(engine.module)
     for layer, prefix, experts in layers:
+        full = {id(p): _full(stage, p) for p in experts.parameters()}  # one gather per parameter (ZeRO-3)
         for e, entries in _local_entries(prefix, experts):
             values = {
-                key: (param.detach()[row] if row is not None else param.detach()).clone().cpu()
+                key: (full[id(param)][row] if row is not None else full[id(param)]).clone().cpu()
                 for key, (param, row) in entries.items()
             }
             if _is_writer(experts):
@@ -131,6 +139,13 @@ def write_files(engine, writer, directory):
         writer.save(payload, os.path.join(directory, name))
 
 
+def _full(stage, param):
+    """The whole value of ``param`` in the model's dtype (ZeRO-3: gathered from the fp32 masters, a collective)."""
+    if hasattr(param, "ds_tensor") and stage is not None:
+        return stage.fp32_param(param).detach().to(param.dtype)
+    return param.detach()
+
+
 def check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, load_module_strict):
     """Raise (every rank, before the load reads or changes anything) when the checkpoint's expert layout
     cannot be loaded as asked; nothing when there is nothing to load or no expert."""
@@ -143,6 +158,8 @@ def check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, l
     directory = tag_dir(load_dir, tag) if tag is not None else None
     if directory is None or not os.path.isdir(directory):
         return
+    if _upstream_autoep(directory):
+        return  # upstream's AutoEP layout: the reader gives every expert by name (checkpoint/upstream_autoep.py)
     mine = [_ep_size(x) for _, _, x in _layers(engine.module)]
     found = sorted(f for f in os.listdir(directory) if re.fullmatch(r"expp_rank_\d+_mp_rank_00_expert_states\.pt", f))
     if not found:
@@ -151,25 +168,187 @@ def check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, l
     saved = torch.load(os.path.join(directory, found[0]), map_location="cpu", weights_only=False)["ep_sizes"]
     if saved == mine:
         return
-    hint = ("load with load_module_only=True, load_module_strict=False: each rank then reads its experts from the "
-            "per-expert files and the fp32 masters follow")
-    if not load_module_only:
-        raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}, this engine has {mine}; the "
-                              f"optimizer files are laid out for the saved sizes. To change the expert-parallel "
-                              f"size, {hint}")
-    if load_module_strict:
-        raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}, this engine has {mine}: the "
-                              f"model-states file holds another number of local experts; {hint}")
+    if len(saved) != len(mine):
+        raise CheckpointError(f"{directory}: saved with {len(saved)} expert layers, this engine has {len(mine)}")
+    if len(set(saved)) > 1:
+        raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}; resharding needs one size "
+                              f"for every expert layer")
+    if not load_module_only and load_optimizer_states and _saved_stage(directory) not in (1, 2):
+        raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}, this engine has {mine}; a "
+                              f"ZeRO stage {_saved_stage(directory)} checkpoint holds the optimizer state of rank 0's "
+                              f"experts only. Load with load_module_only=True (the fp32 masters follow the module)")
+
+
+def _upstream_autoep(directory):
+    """Whether ``directory`` holds upstream's AutoEP checkpoint (read by ``checkpoint/upstream_autoep.py``)."""
+    from deepspeed.checkpoint.upstream_autoep import is_autoep
+    from deepspeed.runtime.checkpoint import paths
+    from deepspeed.runtime.checkpoint.reader import META_KEY
+    path = os.path.join(directory, paths.model_states_name(0))
+    if not os.path.exists(path):
+        return False
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    return META_KEY not in ckpt and is_autoep(ckpt)
+
+
+def localize_global_experts(engine, values):
+    """``values`` (name -> tensor, or name -> {key: tensor}) with every AutoEP expert entry that holds all the
+    experts (an upstream checkpoint's, stacked in global order) cut to this rank's rows. In place; returns it."""
+    from deepspeed.moe.autoep import GroupedExperts
+    for _, prefix, experts in _layers(engine.module):
+        if not isinstance(experts, GroupedExperts) or experts.num_local_experts == experts.num_experts:
+            continue
+        rows = slice(experts.first_expert, experts.first_expert + experts.num_local_experts)
+        for rest, _ in experts.named_parameters(recurse=False):
+            name = f"{prefix}.{rest}"
+            value = values.get(name)
+            if isinstance(value, dict):
+                values[name] = {
+                    k: (v[rows] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == experts.num_experts else v)
+                    for k, v in value.items()
+                }
+            elif isinstance(value, tuple):  # a shape
+                if value and value[0] == experts.num_experts:
+                    values[name] = (experts.num_local_experts, ) + tuple(value[1:])
+            elif torch.is_tensor(value) and value.shape[0] == experts.num_experts:
+                values[name] = value[rows]
+    return values
+
+
+def _saved_stage(directory):
+    """The ZeRO stage that wrote ``directory`` (from rank 0's model-states file), or None."""
+    from deepspeed.runtime.checkpoint import paths
+    from deepspeed.runtime.checkpoint.reader import META_KEY
+    path = os.path.join(directory, paths.model_states_name(0))
+    if not os.path.exists(path):
+        return None
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    return (ckpt.get(META_KEY) or {}).get("zero_stage", 0 if ckpt.get("optimizer") is not None else None)
+
+
+def resharding(engine, directory):
+    """Whether ``directory`` was saved with other expert-parallel sizes than ``engine`` has (checked by
+    :func:`check_load`)."""
+    if not has_experts(engine) or directory is None:
+        return False
+    if _upstream_autoep(directory):
+        return True
+    path = os.path.join(directory, STATES_FILE.format(rank=0))
+    if not os.path.exists(path):
+        return False
+    saved = torch.load(path, map_location="cpu", weights_only=False)["ep_sizes"]
+    return saved != [_ep_size(x) for _, _, x in _layers(engine.module)]
+
+
+def _my_expert_values(engine, directory):
+    """name -> this rank's value of every expert parameter, from the per-expert files (model dtype)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out = {}
+    for layer, prefix, experts in _layers(engine.module):
+        for e, entries in _local_entries(prefix, experts):
+            values = torch.load(os.path.join(directory, EXPERT_FILE.format(layer=layer, expert=e)),
+                                map_location="cpu",
+                                weights_only=False)
+            for key, (param, row) in entries.items():
+                name = names[id(param)]
+                if row is None:
+                    out[name] = values[key]
+                else:
+                    out.setdefault(name, torch.empty(getattr(param, "ds_shape", param.shape),
+                                                     dtype=values[key].dtype))[row].copy_(values[key])
+    return out
+
+
+def local_module_values(engine, directory, values, shapes):
+    """``(values, shapes)`` of the saved module with every expert entry replaced by this rank's experts at the
+    engine's expert-parallel size (read from the per-expert files)."""
+    prefixes = tuple(prefix + "." for _, prefix, _ in _layers(engine.module))
+    values = {k: v for k, v in values.items() if not k.startswith(prefixes)}
+    shapes = {k: v for k, v in shapes.items() if not k.startswith(prefixes)}
+    mine = _my_expert_values(engine, directory)
+    values.update(mine)
+    shapes.update((k, tuple(v.shape)) for k, v in mine.items())
+    return values, shapes
+
+
+def _global_states(engine, directory):
+    """``{(layer prefix, global expert, parameter name within the expert): (fp32, {state key: tensor})}`` from
+    every expert states file of ``directory``."""
+    from deepspeed.moe.autoep import GroupedExperts
+    layers = {prefix: experts for _, prefix, experts in _layers(engine.module)}
+    table = {}
+    rank = 0
+    while os.path.exists(os.path.join(directory, STATES_FILE.format(rank=rank))):
+        payload = torch.load(os.path.join(directory, STATES_FILE.format(rank=rank)),
+                             map_location="cpu",
+                             weights_only=False)
+        for prefix, experts in layers.items():
+            entries = {n[len(prefix) + 1:]: v for n, v in payload["params"].items() if n.startswith(prefix + ".")}
+            if isinstance(experts, GroupedExperts):
+                for rest, entry in entries.items():
+                    local = entry["fp32"].shape[0]
+                    for row in range(local):
+                        table[(prefix, rank * local + row, rest)] = (entry["fp32"][row], {
+                            k: v[row]
+                            for k, v in entry["state"].items()
+                        })
+            else:  # deepspeed_experts.<local>.<name>
+                parsed = [(int(rest.split(".")[1]), rest.split(".", 2)[2], entry) for rest, entry in entries.items()]
+                local = 1 + max((i for i, _, _ in parsed), default=-1)
+                for i, name, entry in parsed:
+                    table[(prefix, rank * local + i, name)] = (entry["fp32"], entry["state"])
+        rank += 1
+    return table
+
+
+def add_local_experts(engine, directory, full, with_state):
+    """Put this rank's expert parameters into ``full`` (a ``FullState`` by name whose expert entries were left out):
+    fp32 values and per-element optimizer state from every expert states file by global expert, the param group's
+    scalar state (``step``...) from the saved group. Returns ``full``."""
+    from deepspeed.moe.autoep import GroupedExperts
+    table = _global_states(engine, directory)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    stage = engine._stage
+    for _, prefix, experts in _layers(engine.module):
+        if isinstance(experts, GroupedExperts):
+            for rest, param in experts.named_parameters(recurse=False):
+                rows = [table[(prefix, experts.first_expert + i, rest)] for i in range(experts.num_local_experts)]
+                _put(full, names[id(param)], torch.stack([r[0] for r in rows]),
+                     {k: torch.stack([r[1][k] for r in rows])
+                      for k in rows[0][1]}, stage, param, with_state)
+            continue
+        first = _ep_rank(experts) * experts.num_local_experts
+        for local, expert in enumerate(experts.deepspeed_experts):
+            for rest, param in expert.named_parameters():
+                fp32, state = table[(prefix, first + local, rest)]
+                _put(full, names[id(param)], fp32, state, stage, param, with_state)
+    return full
+
+
+def _put(full, name, fp32, state, stage, param, with_state):
+    full.fp32[name] = fp32.float()
+    if not with_state:
+        return
+    group = stage._group(param) if hasattr(stage, "_group") else None
+    scalars = {}
+    if group is not None and group < len(full.group_names):
+        for other in full.group_names[group]:
+            if other in full.state:
+                scalars = {k: v for k, v in full.state[other].items() if k not in state}
+                break
+    full.state[name] = {**scalars, **{k: v.clone() for k, v in state.items()}}
 
 
 @torch.no_grad()
-def load_files(engine, directory, load_module_only, load_optimizer_states):
+def load_files(engine, directory, load_module_only, load_optimizer_states, resharded=False):
     """Set this rank's experts from the checkpoint (see the module docstring); local, no collective.
 
     Runs after the stage's own load (which gave every rank rank 0's experts).
     """
-    if not has_experts(engine):
+    if not has_experts(engine) or resharded:  # resharded: the module and the by-name state held this rank's experts
         return
+    if any(hasattr(p, "ds_tensor") for p in engine.module.parameters()):
+        return  # ZeRO-3 (expert-parallel size 1): the stage's own files hold every expert, sharded like the rest
     stage = engine._stage
     layers = _layers(engine.module)
     for layer, prefix, experts in layers:

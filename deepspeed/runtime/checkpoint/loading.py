@@ -67,6 +67,7 @@ class _Load:
         self.refresh_masters = False
         self.needs_all_files = False
         self.with_state = False  # the optimizer state is loaded too (phase 2 rebuilds it)
+        self.experts_resharded = False  # saved at another expert-parallel size (runtime/expert_checkpoint.py)
 
     def _local(self, values):
         """A tensor-parallel engine keeps this rank's piece of every whole tensor (a universal folder's)."""
@@ -100,8 +101,15 @@ class _Load:
             raise explained from exc
         if not universal and saved.reader is None:  # a folder a converter made carries the source's records
             completeness.check_complete(load_dir, self.tag, saved.meta)
-        check_module(saved.saved_shapes(), self.engine.module, self.strict, saved.model_path)
-        self.module_values = self._local(saved.module_values())
+        shapes, values = saved.saved_shapes(), saved.module_values()
+        self.experts_resharded = expert_checkpoint.resharding(self.engine, saved.directory)
+        if self.experts_resharded and saved.reader is None:  # another ep size: this rank's experts, per-expert files
+            values, shapes = expert_checkpoint.local_module_values(self.engine, saved.directory, values, shapes)
+        elif self.experts_resharded:  # upstream's AutoEP: its reader stacks every expert; this rank keeps its own
+            values = expert_checkpoint.localize_global_experts(self.engine, dict(values))
+            shapes = expert_checkpoint.localize_global_experts(self.engine, dict(shapes))
+        check_module(shapes, self.engine.module, self.strict, saved.model_path)
+        self.module_values = self._local(values)
         if saved.per_rank:
             self._read_per_rank()
         elif self.has_optimizer:
@@ -159,6 +167,11 @@ class _Load:
         saved = self.saved
         full, frozen, self.scaler = saved.full_state(self.with_state)
         full, frozen = self._local(full), self._local(frozen)
+        if self.experts_resharded and saved.reader is None:
+            full = expert_checkpoint.add_local_experts(self.engine, saved.directory, full, self.with_state)
+        elif self.experts_resharded:
+            expert_checkpoint.localize_global_experts(self.engine, full.fp32)
+            expert_checkpoint.localize_global_experts(self.engine, full.state)
         if saved.per_rank:
             self.module_values = saved.module_values(full, frozen)
         if self.has_optimizer:
@@ -246,5 +259,7 @@ def load(engine,
         error = exc
     agree(error, None, group)
     plan.apply(load_lr_scheduler_states)
-    expert_checkpoint.load_files(engine, plan.saved.directory, load_module_only, load_optimizer_states)
+    expert_checkpoint.load_files(
+        engine, plan.saved.directory, load_module_only, load_optimizer_states, plan.experts_resharded
+        and (plan.apply_optimizer is not None or plan.saved.reader is not None))
     return plan.model_path, plan.client_state(load_lr_scheduler_states)

@@ -77,12 +77,19 @@ def _check_files(payloads, names):
     return first
 
 
+def _expert_names(layout):
+    """Names of the parameters in expert buckets (ep > 1): their values differ by expert-parallel rank under one name
+    and come from the expert states files (``runtime/expert_checkpoint.py``), not from the partitions."""
+    spans = [(b["start"], b["start"] + b["numel"]) for b in layout["buckets"] if b.get("expert")]
+    return {p["name"] for p in layout["params"] if any(lo <= p["offset"] < hi for lo, hi in spans)}
+
+
 def _assemble(layout, part_of, dtype, groups):
     """The full space from every rank's partitions; ``part_of(rank, group)`` is one partition. Padding stays zero."""
     full = torch.zeros(layout["numel"], dtype=dtype)
     for rank in range(layout["world_size"]):
         for b in layout["buckets"]:
-            if b["group"] in groups:
+            if b["group"] in groups and not b.get("expert"):
                 chunk = b["chunk"]
                 src = part_of(rank, b["group"]).narrow(0, b["part_offset"], chunk)
                 full.narrow(0, b["start"] + rank * chunk, chunk).copy_(src)
@@ -90,10 +97,11 @@ def _assemble(layout, part_of, dtype, groups):
 
 
 def _split(layout, full, groups):
-    """name -> the (cloned) value in the full space ``full`` of each parameter of ``groups``."""
+    """name -> the (cloned) value in the full space ``full`` of each parameter of ``groups`` (experts left out)."""
+    experts = _expert_names(layout)
     return {
         p["name"]: full.narrow(0, p["offset"], p["numel"]).view(p["shape"]).clone()
-        for p in layout["params"] if p["group"] in groups
+        for p in layout["params"] if p["group"] in groups and p["name"] not in experts
     }
 
 

@@ -117,6 +117,9 @@ class SavedCheckpoint:
 
     def saved_shapes(self):
         """``{name: shape}`` of every entry the checkpoint has for the module (parameters by every tied name)."""
+        shapes = self.reader.module_shapes() if hasattr(self.reader, "module_shapes") else None
+        if shapes is not None:  # a format whose names differ from its module's (upstream's AutoEP)
+            return shapes
         ckpt = self.checkpoint
         module = ckpt["module"]
         if not isinstance(module, dict):

@@ -18,6 +18,7 @@ import torch
 from deepspeed.runtime.checkpoint import paths
 from deepspeed.runtime.checkpoint.reshard import LAYOUT_KEY, same_layout
 from deepspeed.runtime.checkpoint.stage_checkpoint import STAGE_EXTRA_KEY, FlatMastersCheckpoint
+from deepspeed.utils.groups import EXPERT_GROUP_PREFIX
 
 
 def describe_layout(layout, name_of):
@@ -27,9 +28,17 @@ def describe_layout(layout, name_of):
         slot = layout.slots[param]
         params.append(
             dict(name=name_of[param], shape=list(slot.shape), group=slot.group, offset=slot.offset, numel=slot.numel))
+    # an expert bucket (ep > 1) holds other experts on other expert-parallel ranks under the same names: resharding
+    # reads its values from the expert states files instead (runtime/expert_checkpoint.py)
     buckets = [
-        dict(group=b.group, start=b.start, numel=b.numel, padded=b.padded, chunk=b.chunk, part_offset=b.part_offset)
-        for b in layout.buckets
+        dict(group=b.group,
+             start=b.start,
+             numel=b.numel,
+             padded=b.padded,
+             chunk=b.chunk,
+             part_offset=b.part_offset,
+             expert=bool(b.spec is not None and b.spec.name.startswith(EXPERT_GROUP_PREFIX)
+                         and b.world != layout.world_size)) for b in layout.buckets
     ]
     return dict(world_size=layout.world_size,
                 rank=layout.rank,

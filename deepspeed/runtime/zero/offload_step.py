@@ -277,19 +277,19 @@ class HostStep:
         if background and layout.world_size != 1:
             raise ValueError("HostStep.step_and_gather: background steps need a world of one")
         self.wait_readers()
-        world = layout.world_size
+        group_of = group if callable(group) else (lambda bucket: group)
         transfers = self.transfers
         transfers.after_current()  # the uploads overwrite parameters the last backward read
         pieces = []
         for bucket in reversed(layout.buckets):
             out = layout.bucket_full(flat_params, bucket)
-            if world == 1:
+            if bucket.world == 1:
 
                 def send(target, out=out):
                     return transfers.copy(out, target, wait_producer=False)
             else:
 
-                def send(target, out=out, chunk=bucket.chunk):
+                def send(target, out=out, chunk=bucket.chunk, group=group_of(bucket)):
                     buffer = torch.empty(chunk, dtype=flat_params.dtype, device=flat_params.device)
                     copied = transfers.copy(buffer, target, wait_producer=False)
                     with copied.ordered():
@@ -389,20 +389,20 @@ class HostStep:
         if not self.fresh:
             self.refresh()
         self.fresh = False
-        world = layout.world_size
+        group_of = group if callable(group) else (lambda bucket: group)
         works = []
         last = DONE
         with ds_range("DS::upload_all_gather"):
             for bucket in layout.buckets:
                 src = layout.bucket_part(self.targets[bucket.group], bucket)
                 out = layout.bucket_full(flat_params, bucket)
-                if world == 1:
+                if bucket.world == 1:
                     last = self.transfers.copy(out, src)
                     continue
                 send = torch.empty(bucket.chunk, dtype=flat_params.dtype, device=flat_params.device)
                 last = self.transfers.copy(send, src)
                 with last.ordered():
-                    works.append(dist.all_gather_into_tensor(out, send, group=group, async_op=True))
+                    works.append(dist.all_gather_into_tensor(out, send, group=group_of(bucket), async_op=True))
             self._reading = last
             last.wait_stream()
             for work in works:

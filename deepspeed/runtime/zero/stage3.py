@@ -56,6 +56,7 @@ from deepspeed.runtime.zero.unit_step import UnitStep
 from deepspeed.runtime.zero.quantized_reduce import QuantizedReduceScatter, qgz_node_size
 from deepspeed.runtime.zero.unit_fetch import UnitFetchPlan
 from deepspeed.utils.node_axis import build_node_axis
+from deepspeed.utils.groups import EXPERT_GROUP_PREFIX
 from deepspeed.utils.timer import OPTIMIZER_STEP_TIMER
 
 
@@ -67,10 +68,18 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def __init__(self, module, optimizer, config, clock, *, device, group, reduction=None):
         super().__init__(config, optimizer, clock, device=device, group=group, reduction=reduction)
         check_optimizer(config, optimizer)
-        if self.reduction.has_experts(p for g in optimizer.param_groups for p in g["params"]):
-            raise NotImplementedError("expert parameters (deepspeed.moe, AutoEP) on ZeRO stage 3 are not supported: "
-                                      "stage 3 shards every parameter over all data-parallel ranks; use ZeRO stage "
-                                      "0, 1 or 2 with expert parallelism (see docs/moe.md)")
+        # Experts of expert-parallel size 1 are held by every rank of the dense group: they are sharded and reduced
+        # like dense parameters. Larger sizes would need units partitioned over their expert-data-parallel group.
+        sizes = {
+            getattr(p, "group_name", None)
+            for g in optimizer.param_groups
+            for p in g["params"] if not getattr(p, "allreduce", True)
+        }
+        if sizes - {EXPERT_GROUP_PREFIX + "1"}:
+            raise NotImplementedError(f"expert parameters (deepspeed.moe, AutoEP) of expert-parallel groups "
+                                      f"{sorted(sizes - {EXPERT_GROUP_PREFIX + '1'})} on ZeRO stage 3 are not "
+                                      f"supported: stage 3 shards every parameter over all data-parallel ranks; use "
+                                      f"expert-parallel size 1, or ZeRO stage 0, 1 or 2 (see docs/moe.md)")
         self.module = module
         world, rank = self.world_size, self.rank
         model_dtype = config.model_dtype

@@ -56,9 +56,10 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         self.layout = layout = PartitionedLayout(groups, list(module.parameters()), config.bucket_numel,
                                                  self.world_size, self.rank, self.reduction.spec_of)
         self.has_experts = self.reduction.has_experts(layout.params)
-        if self.has_experts and (config.offload_optimizer or config.zenflow is not None):
-            raise NotImplementedError("expert parameters (deepspeed.moe) with offload_optimizer or ZenFlow on ZeRO "
-                                      "stages 1-2 are not supported; see docs/compatibility.md")
+        if self.has_experts and config.zenflow is not None:
+            raise NotImplementedError("expert parameters (deepspeed.moe, AutoEP) with ZenFlow are not supported: "
+                                      "ZenFlow selects gradient columns over one data-parallel group; see "
+                                      "docs/compatibility.md")
         if self.reduction.tensor and (config.offload_optimizer or config.zenflow is not None):
             raise NotImplementedError("tensor parallelism (AutoTP) with offload_optimizer or ZenFlow is not "
                                       "supported; see docs/tensor_parallel.md")
@@ -164,7 +165,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
                 begun = self.speculative.verdict(grad_scale) if self.speculative is not None else None
                 self.host_step.step_and_gather(self.layout,
                                                self.flat_params,
-                                               self.group,
+                                               self._bucket_group,
                                                grad_scale=grad_scale,
                                                background=self._forward_waits is not None,
                                                begun=begun)
@@ -203,7 +204,7 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         """Put every rank's updated master partition into the model's parameters (a collective)."""
         if self.host_step is not None:
             self.host_step.finish()
-            self.host_step.gather_into(self.layout, self.flat_params, self.group)
+            self.host_step.gather_into(self.layout, self.flat_params, self._bucket_group)
             return
         layout = self.layout
         works = []

@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Expert checkpoints: upstream's per-expert files, an exact resume, and another expert-parallel size.
+"""Expert checkpoints: upstream's per-expert files, an exact resume, and resharding to other expert-parallel sizes.
 
 A run trains, saves, and trains on; a fresh engine (other initial weights) loads the checkpoint
 and trains the same steps: its losses and every parameter (read with safe_get_full_fp32_param,
 expert parameters on their own rank) must equal the first run's continuation exactly. The
 MoE layer at ep 2 on ZeRO 0 and 2, AutoEP on a tiny Mixtral on ZeRO 1, Adam (so that the optimizer
-state matters). Loading an ep-2 checkpoint into an ep-1 model: the module only works (every
-expert read from its own file, with load_module_strict=False), a full load raises on every rank.
+state matters). Resharding: saved at ep 2 (world 4), a full load at ep 1 and at ep 4 continues as
+the saving run did (losses and every expert, wherever it now lives). A ZeRO-0 checkpoint (the
+optimizer state of rank 0's experts only) loads at another size with the module only; a full load
+raises on every rank.
 """
 
 import os
@@ -65,7 +67,7 @@ def _train(engine, kind, steps, offset):
             loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -93,9 +95,9 @@ def _resume(kind, stage, ep, directory):
     return got_losses == want_losses, bad, files
 
 
-@pytest.mark.parametrize("kind, stage", [("moe", 0), ("moe", 2), ("autoep", 1)])
-def test_resume_is_exact(kind, stage, tmp_path):
-    results = run_distributed(_resume, 2, args=(kind, stage, 2, str(tmp_path)), timeout=T)
+@pytest.mark.parametrize("kind, stage, ep", [("moe", 0, 2), ("moe", 2, 2), ("autoep", 1, 2), ("autoep", 3, 1)])
+def test_resume_is_exact(kind, stage, ep, tmp_path):
+    results = run_distributed(_resume, 2, args=(kind, stage, ep, str(tmp_path)), timeout=T)
     for same_losses, bad, files in results:
         assert same_losses and bad == [], bad
     files = results[0][2]
@@ -103,13 +105,76 @@ def test_resume_is_exact(kind, stage, tmp_path):
     for layer in range(layers):
         for e in range(4):
             assert f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" in files
-    assert {"expp_rank_0_mp_rank_00_expert_states.pt", "expp_rank_1_mp_rank_00_expert_states.pt"} <= set(files)
+    assert {f"expp_rank_{r}_mp_rank_00_expert_states.pt" for r in range(ep)} <= set(files)
+
+
+def _reshard(kind, stage, directory, targets=((1, None), (4, None))):
+    """Save at ep 2, load (fully: optimizer state too) at each ``(ep, stage)`` of ``targets`` (None: the saving
+    stage): the next losses and values equal the continued run's (its experts read on their new ranks)."""
+    from deepspeed.utils import groups
+    engine, _ = _engine(kind, stage, 2, 0)
+    _train(engine, kind, 2, 0)
+    engine.save_checkpoint(directory, tag="t")
+    want_losses = _train(engine, kind, 2, 2)
+    want = _global_values(engine)
+    engine.destroy()
+    bad = []
+    for ep, load_stage in targets:
+        groups.reset_mesh()
+        engine, _ = _engine(kind, stage if load_stage is None else load_stage, ep, 1)
+        engine.load_checkpoint(directory, tag="t")
+        got_losses = _train(engine, kind, 2, 2)
+        got = _global_values(engine)
+        engine.destroy()
+        if any(abs(a - b) > 1e-5 * abs(b) for a, b in zip(got_losses, want_losses)):
+            bad.append(f"ep {ep}: losses {got_losses} vs {want_losses}")
+        assert sorted(got) == sorted(want)  # every expert, whichever rank holds it
+        bad += [f"ep {ep}: {n}" for n in want if not torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7)]
+    groups.reset_mesh()
+    return bad
+
+
+def _global_values(engine):
+    """name (experts by global index) -> fp32 value, every rank's experts (gathered)."""
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, _rank_values(engine))
+    return {k: v for values in everyone for k, v in values.items()}
+
+
+def _rank_values(engine):
+    """name (experts by global index) -> fp32 value, this rank's experts only."""
+    from deepspeed.moe.autoep import GroupedExperts
+    out = {}
+    for name, value in _values(engine).items():
+        module = engine.module.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(module, GroupedExperts):
+            for row in range(module.num_local_experts):
+                out[f"{name}.{module.first_expert + row}"] = value[row]
+        elif ".deepspeed_experts." in name:
+            head, local, rest = name.split(".deepspeed_experts.")[0], *name.split(".deepspeed_experts.")[1].split(
+                ".", 1)
+            e = engine.module.moe.global_expert_indices[int(local)]
+            out[f"{head}.{e}.{rest}"] = value
+        else:
+            out[name] = value
+    return out
+
+
+def _reshard_cells(directory):
+    return _reshard("moe", 2, os.path.join(directory, "moe")) + _reshard(
+        "autoep", 1, os.path.join(directory, "ep"), ((1, None), (4, None), (1, 3)))
+
+
+def test_reshard_across_expert_parallel_sizes(tmp_path):
+    """The MoE layer on ZeRO 2 and AutoEP (Mixtral) on ZeRO 1, Adam, world 4: saved at ep 2, loaded at 1 and 4 (AutoEP
+    also into ZeRO-3 at ep 1)."""
+    assert run_distributed(_reshard_cells, 4, args=(str(tmp_path), ), timeout=T) == [[]] * 4
 
 
 def _other_ep(directory):
     from deepspeed.runtime.checkpoint.validate import CheckpointError
     from deepspeed.utils import groups
-    engine, model = _engine("moe", 2, 2, 0)
+    engine, model = _engine("moe", 0, 2, 0)
     _train(engine, "moe", 1, 0)
     engine.save_checkpoint(directory, tag="t")
     rank = torch.distributed.get_rank()
@@ -118,13 +183,13 @@ def _other_ep(directory):
         for i, e in enumerate(model.moe.global_expert_indices)
     }
     engine.destroy()
-    engine, model = _engine("moe", 2, 1, 1)
+    engine, model = _engine("moe", 0, 1, 1)
     try:
         engine.load_checkpoint(directory, tag="t")
         full = "no error"
     except CheckpointError as err:
-        full = "CheckpointError" if "expert-parallel sizes" in str(err) else str(err)
-    engine.load_checkpoint(directory, tag="t", load_module_only=True, load_module_strict=False)
+        full = "CheckpointError" if "load_module_only" in str(err) else str(err)
+    engine.load_checkpoint(directory, tag="t", load_module_only=True)
     experts = model.moe.deepspeed_moe.experts.deepspeed_experts
     mine = [experts[int(e)] for e in saved]  # this rank's saved experts, now at their global index
     same = all(torch.equal(p, q) for e, m in zip(saved, mine) for p, q in zip(saved[e], m.parameters()))
@@ -133,6 +198,43 @@ def _other_ep(directory):
     return full, same, rank
 
 
-def test_other_expert_parallel_size(tmp_path):
+def test_stage0_checkpoint_other_expert_parallel_size_loads_the_module_only(tmp_path):
+    """ZeRO 0 keeps rank 0's experts' optimizer state only: a full load at another size raises on every rank
+    before anything changes; the module loads (each rank's experts from the per-expert files)."""
     for full, same, _ in run_distributed(_other_ep, 2, args=(str(tmp_path), ), timeout=T):
         assert full == "CheckpointError" and same
+
+
+def _from_upstream(fixture):
+    """Upstream 0.19.8's AutoEP checkpoint (ep 2, ZeRO 1) loaded at ep 2 and at ep 1 (fresh engines, other initial
+    weights): the next two losses equal those upstream recorded when it continued."""
+    import deepspeed
+    from deepspeed.utils import groups
+    from tests.unit.checkpoint.upstream.write_autoep_fixtures import TAG, ds_config, tokens
+    from tests.unit.moe.autoep_models import mixtral
+    rank = torch.distributed.get_rank()
+    want = torch.load(os.path.join(fixture, "trajectory.pt"))["losses"][rank]
+    bad = []
+    for ep in (2, 1):
+        config = ds_config(False)
+        config["expert_parallel"]["autoep_size"] = ep
+        engine, _, _, _ = deepspeed.initialize(model=mixtral(seed=9), config=config)
+        engine.load_checkpoint(fixture, tag=TAG)
+        got = []
+        for step in (2, 3):
+            ids = tokens(step, rank)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            got.append(float(loss.detach()))
+        engine.destroy()
+        groups.reset_mesh()
+        if any(abs(a - b) > 1e-6 * abs(b) for a, b in zip(got, want)):
+            bad.append(f"ep {ep}: {got} vs upstream's {want}")
+    return bad
+
+
+def test_upstream_autoep_checkpoint_loads_and_continues():
+    fixture = os.path.join(os.path.dirname(os.path.dirname(__file__)), "checkpoint", "upstream", "fixtures_autoep",
+                           "ep2-z1")
+    assert run_distributed(_from_upstream, 2, args=(fixture, ), timeout=T) == [[], []]

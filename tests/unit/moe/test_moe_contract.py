@@ -9,7 +9,8 @@ parameters. Each rank's loss is its mean over its tokens plus the aux loss; the 
 rank's data with a model holding all ``E`` experts (tests/unit/moe/reference.py); bf16 cells
 compare with the same model at ep 1 in plain torch and bf16, so that both sides round alike.
 One micro-step sends every token to the experts of expert-parallel rank 0, so the other rank's
-experts receive no token in it. ZeRO 3 with experts raises NotImplementedError on every rank.
+experts receive no token in it. ZeRO 3 holds experts of expert-parallel size 1 (sharded like dense
+parameters); with a larger size it raises NotImplementedError on every rank.
 """
 
 import itertools
@@ -181,7 +182,7 @@ def _engine_grads(engine, model, ep):
     return out
 
 
-def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer):
+def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer, offload=False):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     world = torch.distributed.get_world_size()
@@ -205,9 +206,17 @@ def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer):
         optimizer = torch.optim.SGD(groups, lr=0.0)
     elif client_optimizer == "mixed":  # one param group holding dense and expert parameters
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    elif offload:  # the pipelined host step (host Adam; lr 0 leaves the weights as they are)
+        config["optimizer"] = {"type": "Adam", "params": {"lr": 0.0}}
     else:
         config["optimizer"] = {"type": "SGD", "params": {"lr": 0.0}}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "super_offload": offload == "super"}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if offload:
+        stage_impl = engine._stage
+        # bf16 masters' uploads run in the pipelined host step (fp32 models step on torch's kernels by default)
+        assert stage_impl.host_step is not None and (dtype_name == "fp32" or stage_impl._pipelined())
     assert model.moe.global_expert_indices == _local_experts(rank, ep)
     data = _data(world, gas)
     got = None
@@ -260,7 +269,10 @@ def _cells(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_contract(world):
-    failures = run_distributed(_run_cells, world, args=(_cells(world), ), timeout=T)
+    # ZeRO-3 holds experts of expert-parallel size 1 (every rank holds every expert): sharded like dense parameters
+    stage3 = [(3, "fp32", 4, 1, 2, None),
+              (3, "bf16", 1, 1, 1, "split")] if world == 2 else [(3, "fp32", 1, 1, 1, None)]
+    failures = run_distributed(_run_cells, world, args=(_cells(world) + stage3, ), timeout=T)
     assert failures == [[]] * world, failures[0]
 
 
@@ -288,3 +300,11 @@ def _stage3():
 
 def test_stage3_errors_on_every_rank():
     assert run_distributed(_stage3, 2, timeout=T) == [True, True]
+
+
+def test_moe_contract_offload():
+    """Experts with offload_optimizer (the pipelined host step) on ZeRO 1 and 2: ep 1 and 2, fp32 and bf16, and with
+    super_offload (the step started in the boundary backward)."""
+    cells = [(1, "fp32", 4, 2, 2, None, True), (2, "bf16", 1, 2, 1, None, True), (2, "fp32", 4, 1, 1, None, True),
+             (1, "bf16", 4, 2, 1, None, "super")]
+    assert run_distributed(_run_cells, 2, args=(cells, ), timeout=T) == [[], []]

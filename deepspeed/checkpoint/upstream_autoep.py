@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Reading upstream DeepSpeed 0.19.8's AutoEP checkpoints (ZeRO 1 and 2) into this package's AutoEP layout.
+
+The facts of upstream's format this relies on (written on CPU/gloo with upstream 0.19.8; the fixture is
+``tests/unit/checkpoint/upstream/fixtures_autoep``): upstream replaces each sparse block whole, so
+
+* the model-states file's ``module`` holds the router as ``<block>.router.gate.weight`` (and a copy under
+  ``<block>.gate.gate.weight``) and no expert; ``ds_autoep_layers`` lists per MoE layer its
+  ``moe_layer_id``, ``num_experts``, ``ep_size``, ``expert_key_prefix`` (``<block>.experts``),
+  ``expert_data_parallel_world_size`` and ``expert_placement`` (each expert-parallel rank's experts);
+* ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` holds expert ``E`` of layer ``L`` as
+  ``<prefix>.w1.<E>`` ``[F, H]`` (the gate projection), ``<prefix>.w3.<E>`` ``[F, H]`` (the up projection) and
+  ``<prefix>.w2.<E>`` ``[H, F]``;
+* the optimizer files hold the dense parameters in the usual partitioned groups and the experts in param groups
+  marked ``moe`` (named ``ep_size_<ep>``), partitioned over the expert-data-parallel group: with one rank per
+  expert-data-parallel group, rank ``r`` (expert-parallel rank ``r % ep``) holds its local experts' ``w1``,
+  ``w2``, ``w3`` (``[L, F, H]`` ...) whole.
+
+This package keeps the model's block and stacks the experts as ``gate_up_proj [E, 2F, H]`` (gate rows first) and
+``down_proj [E, H, F]``. The functions below give every expert parameter under this package's name with all
+``E`` experts stacked (global order); ``runtime/expert_checkpoint.localize_global_experts`` cuts out each rank's.
+Expert-data-parallel groups of more than one rank raise NotImplementedError naming it.
+"""
+
+import os
+import re
+
+import torch
+
+from deepspeed.checkpoint import constants as C
+from deepspeed.runtime.checkpoint.reader import load_file
+from deepspeed.runtime.checkpoint.validate import CheckpointError
+
+LAYERS_KEY = "ds_autoep_layers"
+EXPERT_FILE = re.compile(r"layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt")
+_ROUTER = ".router.gate.weight"
+_ROUTER_COPY = ".gate.gate.weight"
+
+
+def is_autoep(model_states):
+    """Whether an upstream model-states dict was written by upstream's AutoEP."""
+    return isinstance(model_states, dict) and bool(model_states.get(LAYERS_KEY))
+
+
+def rename(name):
+    """This package's name of an upstream AutoEP module entry (its router lives under ``router.gate``)."""
+    return name[:-len(_ROUTER)] + ".gate.weight" if name.endswith(_ROUTER) else name
+
+
+def _layers(model_states):
+    layers = sorted(model_states[LAYERS_KEY], key=lambda layer: layer["moe_layer_id"])
+    for layer in layers:
+        edp = int(layer.get("expert_data_parallel_world_size") or 1)
+        if edp != 1:
+            raise NotImplementedError(f"an upstream AutoEP checkpoint with expert_data_parallel_world_size {edp} "
+                                      f"(layer '{layer.get('module_path')}'): only one rank per expert-data-parallel "
+                                      f"group is read")
+    return layers
+
+
+def _fused(w1, w3, w2):
+    """``(gate_up_proj, down_proj)`` from upstream's per-expert ``w1``, ``w3``, ``w2`` (stacked on dim 0)."""
+    return torch.cat([w1, w3], dim=-2), w2
+
+
+def module_values(directory, model_states, values):
+    """The saved module in this package's names, every expert stacked in global order (read from the layer files)."""
+    out = {}
+    for name, value in values.items():
+        if name.endswith(_ROUTER_COPY) and name[:-len(_ROUTER_COPY)] + _ROUTER in values:
+            continue  # upstream's second name of the router weight
+        out[rename(name)] = value
+    for layer in _layers(model_states):
+        prefix, lid = layer["expert_key_prefix"], layer["moe_layer_id"]
+        weights = {"w1": [], "w2": [], "w3": []}
+        for e in range(int(layer["num_experts"])):
+            path = os.path.join(directory, f"layer_{lid}_expert_{e}_mp_rank_00_model_states.pt")
+            saved = load_file(path, f"expert {e} of upstream AutoEP layer {lid}")
+            for w in weights:
+                key = f"{prefix}.{w}.{e}"
+                if key not in saved:
+                    raise CheckpointError(f"{path}: no '{key}'")
+                weights[w].append(saved[key])
+        gate_up, down = _fused(*(torch.stack(weights[w]) for w in ("w1", "w3", "w2")))
+        out[f"{prefix}.gate_up_proj"], out[f"{prefix}.down_proj"] = gate_up, down
+    return out
+
+
+def is_expert_group(base_optimizer_state, g):
+    groups = base_optimizer_state.get(C.PARAM_GROUPS) if isinstance(base_optimizer_state, dict) else None
+    return bool(groups and groups[g].get("moe"))
+
+
+def expert_group(model_states, saved, files, g, group, group_state, with_state):
+    """``(names, fp32, state)`` of upstream's expert param group ``g`` in this package's names, experts stacked.
+
+    ``saved``/``files``: every rank's ``optimizer_state_dict`` and path; ``group``: the group's ``param_shapes``
+    entry (upstream name -> local shape); ``group_state(osd, g, path)``: the inner optimizer's state of the group.
+    """
+    layers = {layer["expert_key_prefix"]: layer for layer in _layers(model_states)}
+    ep = {int(layer["ep_size"]) for layer in layers.values()}
+    if len(ep) != 1 or len(saved) % next(iter(ep)) != 0:
+        raise NotImplementedError(f"{files[0]}: upstream AutoEP layers with expert-parallel sizes {sorted(ep)} over "
+                                  f"{len(saved)} ranks")
+    ep = next(iter(ep))
+    states = [group_state(osd, g, path) for osd, path in zip(saved, files)]
+
+    def local(rank, name, shape, source):
+        address = saved[rank][C.PARAM_SLICE_MAPPINGS][g].get(name)
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if address is None or address.numel != numel:
+            raise CheckpointError(
+                f"{files[rank]}: '{name}' is not whole in rank {rank}'s partition of param group {g}")
+        return source.narrow(0, address.start, numel).view(tuple(shape))
+
+    def stacked(name, shape, source_of):
+        # expert-parallel rank j's experts come first from rank j (one rank per expert-data-parallel group)
+        return torch.cat([local(j, name, shape, source_of(j)) for j in range(ep)])
+
+    keys = [k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() == 1 and k != "step"]
+    scalars = {k: v for k, v in states[0].items() if k not in keys}
+    names, fp32, state = [], {}, {}
+    for prefix in sorted({n.rsplit(".", 1)[0] for n in group}):
+        if prefix not in layers:
+            raise CheckpointError(f"{files[0]}: '{prefix}' of param group {g} is in no AutoEP layer")
+        parts = {w: f"{prefix}.{w}" for w in ("w1", "w3", "w2")}
+        values = {
+            w: stacked(n, group[n], lambda j: saved[j][C.SINGLE_PARTITION_OF_FP32_GROUPS][g])
+            for w, n in parts.items()
+        }
+        gate_up, down = _fused(values["w1"], values["w3"], values["w2"])
+        ours = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj")
+        names += list(ours)
+        fp32[ours[0]], fp32[ours[1]] = gate_up.float(), down.float()
+        if with_state:
+            for name in ours:
+                state[name] = dict(scalars)
+            for key in keys:
+                per = {w: stacked(n, group[n], lambda j, key=key: states[j][key]) for w, n in parts.items()}
+                state[ours[0]][key], state[ours[1]][key] = _fused(per["w1"], per["w3"], per["w2"])
+    return names, fp32, state
