@@ -325,7 +325,8 @@ def configure_autoep(ds_config, model, mpu, world_size):
 
     Raises on every rank for a bad section or model (module docstring).
     """
-    cfg = AutoEPConfig.from_section(ds_config._param_dict.get("expert_parallel"))
+    cfg = getattr(ds_config, "expert_parallel_config", None) or AutoEPConfig.from_section(
+        ds_config._param_dict.get("expert_parallel"))
     if not cfg.enabled:
         return None
     sp = ds_config._param_dict.get("sequence_parallel_size") or 1

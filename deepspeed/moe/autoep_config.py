@@ -172,7 +172,8 @@ class AutoEPConfig:
             except (re.error, TypeError) as err:
                 bad("moe_layer_pattern", f"not a regular expression ({err})")
         from deepspeed.moe.autoep_presets import PRESETS
-        if self.preset_model is not None and self.preset_model not in PRESETS:
+        preset = self.preset_model
+        if preset is not None and (not isinstance(preset, str) or preset not in PRESETS):
             bad("preset_model", f"not a known preset; known: {sorted(PRESETS)}")
         if self.expert_activation is not None and self.expert_activation not in EXPERT_ACTIVATIONS:
             bad("expert_activation", f"must be one of {EXPERT_ACTIVATIONS}")

@@ -498,6 +498,8 @@ class DeepSpeedConfig:
         stage = self.zero_optimization_stage
         from deepspeed.runtime.compile_config import parse_compile_section
         self.compile_settings = parse_compile_section(self._param_dict.get("compile"), stage)
+        from deepspeed.moe.autoep_config import AutoEPConfig
+        self.expert_parallel_config = AutoEPConfig.from_section(self._param_dict.get("expert_parallel"))
         if self.gradient_allreduce_op == GRADIENT_ALLREDUCE_OP_SUM:
             compile_section = self._param_dict.get("compile")
             conflict = None

@@ -7,7 +7,6 @@ The keys come from ``upstream_schema/upstream_config_keys.json``, generated from
 this order; the test checks each class's promise on ``DeepSpeedConfig`` (what ``initialize`` builds on every rank
 before any collective):
 
-* ``IN_PROGRESS``: being built in another area right now; named with the area that will honour it.
 * ``REFUSED``: setting the key to the value given here raises an error that names the key.
 * ``UNDER_REFUSED``: keys of a section whose switch is refused (they act only when it is on); the switch's
   refusal is checked.
@@ -26,10 +25,6 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS_FILE = os.path.join(HERE, "upstream_schema", "upstream_config_keys.json")
 WRONG_TYPE = [["not a value of any key's type"]]
-
-IN_PROGRESS = {
-    "expert_parallel": "honoured by the expert parallel (AutoEP) area",
-}
 
 # key -> a value that asks for the feature
 REFUSED = {
@@ -206,9 +201,6 @@ def _under(key, prefix):
 
 
 def classify(key):
-    for prefix, area in IN_PROGRESS.items():
-        if _under(key, prefix):
-            return "in_progress", area
     if key in REFUSED:
         return "refused", REFUSED[key]
     for prefix, switch in UNDER_REFUSED.items():
@@ -261,9 +253,9 @@ def test_the_list_is_upstreams_whole_schema():
 
 def test_every_table_entry_is_an_upstream_key():
     stale = [k for table in (REFUSED, NO_EFFECT, FREE_FORM) for k in table if k not in KEYS]
-    stale += [p for table in (IN_PROGRESS, UNDER_REFUSED) for p in table if not any(_under(k, p) for k in KEYS)]
+    stale += [p for table in (UNDER_REFUSED, ) for p in table if not any(_under(k, p) for k in KEYS)]
     assert not stale, stale
-    assert all(reason.strip() for table in (NO_EFFECT, FREE_FORM, IN_PROGRESS) for reason in table.values())
+    assert all(reason.strip() for table in (NO_EFFECT, FREE_FORM) for reason in table.values())
 
 
 @pytest.mark.parametrize("key", [k for k in KEYS if classify(k)[0] == "refused"])
@@ -293,8 +285,8 @@ def test_honoured_keys_are_read_and_validated():
 
 
 def test_no_effect_keys_are_the_audited_ones():
-    """Keys the config audit warns about are no-effect keys here, or in progress: the two lists agree."""
+    """Keys the config audit warns about are no-effect keys here: the two lists agree."""
     from deepspeed.runtime import config_audit
     audited = {row.key for row in config_audit.NO_EFFECT if row.key in KEYS}
-    assert all(classify(key)[0] in ("no_effect", "in_progress") for key in audited), \
+    assert all(classify(key)[0] == "no_effect" for key in audited), \
         {key: classify(key) for key in audited}
