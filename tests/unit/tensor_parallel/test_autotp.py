@@ -173,8 +173,8 @@ def _max_diff(a, b):
 def test_checkpoint_resume_and_other_tensor_parallel_sizes(tmp_path):
     base, at_save, norm, files = run_distributed(_save, 2, args=(str(tmp_path), ), timeout=T)[0]
     assert files == [
-        ".ds_complete", "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-        "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+        ".ds_complete", "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"
     ]
     assert os.path.isdir(tmp_path / "saved_universal" / "zero" / "lm_head.weight")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
