@@ -65,7 +65,7 @@ class Stage3Checkpoint(FlatMastersCheckpoint):
     parts_key = "fp32_flat_groups"
 
     def _frozen_part(self):
-        return self.stage.sources[len(self.stage.masters)]
+        return self.stage.frozen_partition()
 
     # ---------------------------------------------------------------- export
     def checkpoint_files(self, save):
@@ -96,8 +96,7 @@ class Stage3Checkpoint(FlatMastersCheckpoint):
     @torch.no_grad()
     def full_16bit_value(self, param):
         stage = self.stage
-        source = stage.sources[self.layout.slots[param].group]  # fp32 masters or 16-bit shards
-        full = stage._gather(self.layout.shard_view(source, param), param)
+        full = stage._gather(stage.shard_16bit(param), param)  # fp32 masters or 16-bit shards
         return full.to(stage.model_dtype).cpu().clone()
 
     # ---------------------------------------------------------------- import
@@ -111,7 +110,7 @@ class Stage3Checkpoint(FlatMastersCheckpoint):
     def _restore_extra(self, saved):
         frozen = saved.get("frozen_16bit_shards")
         if frozen is not None:
-            self._frozen_part().copy_(frozen)
+            self.stage.load_frozen_partition(frozen)
 
     def _write(self, param, value, out):
         write_shard(self.layout, param, value, out)
