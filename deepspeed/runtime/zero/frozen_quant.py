@@ -13,8 +13,9 @@ A gather sends that buffer unchanged, ahead of the unit's trainable columns (raw
 decodes the frozen columns as ``float32(code) * scale`` cast to the model dtype: bitwise ``block_quant``'s
 dequantization of the shard. So the values a forward, ``GatheredParameters``, the accessors, the consolidated
 16-bit state dict and checkpoints see are those dequantized values; nothing is quantized twice. Writing a frozen
-parameter (``GatheredParameters`` with a modifier, ``safe_set_full_fp32_param``, a checkpoint load) quantizes its
-new shard.
+parameter (``GatheredParameters`` with a modifier, ``safe_set_full_fp32_param``, a checkpoint load into another
+layout) quantizes its new shard. A checkpoint also keeps the codes and scales (``frozen_quantized_shards``), so a
+load into the same layout restores them exactly.
 """
 
 from dataclasses import dataclass
@@ -176,6 +177,21 @@ class FrozenQuantStore:
         for param in params:
             if getattr(param, "ds_quant_store", None) is self:
                 self.write_shard(param, self.layout.shard_view(values, param))
+
+
+def packed_state(store):
+    """The stored codes and scales of every unit (host copies, in unit order): a checkpoint restores them exactly."""
+    return [store.tails[i].packed.detach().cpu().clone() for i in sorted(store.tails)]
+
+
+@torch.no_grad()
+def load_packed_state(store, state):
+    """Restore :func:`packed_state` of the same layout."""
+    order = sorted(store.tails)
+    if len(state) != len(order) or any(store.tails[i].nbytes != t.numel() for i, t in zip(order, state)):
+        raise ValueError("the checkpoint's quantized frozen shards do not match this engine's layout")
+    for i, packed in zip(order, state):
+        store.tails[i].packed.copy_(packed)
 
 
 def is_quantized(param):

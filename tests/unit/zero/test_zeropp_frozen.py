@@ -200,3 +200,57 @@ def test_refusals():
         check_zeropp(DeepSpeedZeroConfig(stage=2, zero_quantized_nontrainable_weights=True), 2, 1)
     assert check_zeropp(DeepSpeedZeroConfig(stage=3, zero_quantized_nontrainable_weights=True), 3,
                         1).quantized_nontrainable_weights
+
+
+def _engine(quantize):
+    import deepspeed
+    torch.manual_seed(0)
+    model = LoRANet()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.1
+            }
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "zero_quantized_nontrainable_weights": quantize
+        },
+    }
+    engine, *_ = deepspeed.initialize(model=model,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=config)
+    return engine
+
+
+def _checkpoint_case(path):
+    """Save with quantized frozen weights; load into the same layout (codes and scales restored bitwise) and into
+    an engine without the key (its frozen weights are then the dequantized values)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    engine = _engine(True)
+    with torch.no_grad():  # other frozen values than a fresh engine's: the load must bring them
+        for p in engine.module.parameters():
+            if not p.requires_grad:
+                p.ds_quant_store.write_shard(p, torch.randn(p.ds_shard_numel) * 3)
+    x, y = _batch(0, torch.distributed.get_rank())
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    saved = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+    codes = {n: (p.ds_tensor.clone(), p.ds_tensor.ds_quant_scale.clone())
+             for n, p in engine.module.named_parameters() if not p.requires_grad}
+    engine.save_checkpoint(path, tag="t")
+    for quantize in (True, False):
+        other = _engine(quantize)
+        other.load_checkpoint(path, tag="t")
+        for n, p in other.module.named_parameters():
+            assert torch.equal(safe_get_full_fp32_param(p), saved[n]), (quantize, n)
+            if quantize and n in codes:
+                assert torch.equal(p.ds_tensor, codes[n][0]) and torch.equal(p.ds_tensor.ds_quant_scale, codes[n][1])
+    return True
+
+
+def test_checkpoint_round_trip(tmp_path):
+    assert all(run_distributed(_checkpoint_case, world_size=2, args=(str(tmp_path), ), timeout=180))
