@@ -40,8 +40,8 @@ def quantize_shard(values, block=BLOCK):
     """``(codes, scales)`` of a 1-D shard: int8 codes (``numel``) and float32 scales (one per block)."""
     n = values.numel()
     if n == 0:
-        return (torch.empty(0, dtype=torch.int8, device=values.device),
-                torch.empty(0, dtype=torch.float32, device=values.device))
+        return (torch.empty(0, dtype=torch.int8,
+                            device=values.device), torch.empty(0, dtype=torch.float32, device=values.device))
     packed = block_quant.quantize_rows(values.reshape(1, -1), BITS, block)[0]
     payload = block_quant.payload_bytes(n, BITS, block)
     return packed[:n].view(torch.int8), packed[payload:].clone().view(torch.float32)
