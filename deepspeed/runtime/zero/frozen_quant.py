@@ -123,7 +123,7 @@ class FrozenQuantStore:
     def decode(self, tail, rows, out):
         """The frozen columns ``out`` (``(W, length)``) from the received ``rows`` (``(W, tail.nbytes)`` uint8)."""
         split = 4 * tail.scale_numel
-        scales = rows[:, :split].contiguous().view(torch.float32)
+        scales = rows[:, :split].clone(memory_format=torch.contiguous_format).view(torch.float32)
         codes = rows[:, split:].view(torch.int8)
         out.copy_(dequantize(codes, scales, tail.counts, out.dtype))
         return out

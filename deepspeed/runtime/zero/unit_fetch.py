@@ -123,7 +123,7 @@ class UnitFetchPlan:
         out = torch.empty(rows.shape[0], numel, dtype=dtype, device=rows.device)
         trainable = numel - tail.length
         if trainable:
-            body = rows[:, tail.nbytes:].contiguous()
+            body = rows[:, tail.nbytes:].clone(memory_format=torch.contiguous_format)
             if not self.wire.quantized:
                 body = body.view(dtype)
             out[:, :trainable].copy_(self.wire.decode(body, trainable, dtype))

@@ -24,13 +24,13 @@ D_IN, D_H, RANK = 64, 130, 3  # base1.weight: 8320 values, shards of 4160 (w2) /
 
 class LoRANet(torch.nn.Module):
 
-    def __init__(self):
+    def __init__(self, d_in=D_IN, d_h=D_H, rank=RANK):
         super().__init__()
-        self.base1 = torch.nn.Linear(D_IN, D_H)
-        self.a1 = torch.nn.Linear(D_IN, RANK, bias=False)
-        self.b1 = torch.nn.Linear(RANK, D_H, bias=False)
-        self.base2 = torch.nn.Linear(D_H, 1)
-        self.a2 = torch.nn.Linear(D_H, 1, bias=False)
+        self.base1 = torch.nn.Linear(d_in, d_h)
+        self.a1 = torch.nn.Linear(d_in, rank, bias=False)
+        self.b1 = torch.nn.Linear(rank, d_h, bias=False)
+        self.base2 = torch.nn.Linear(d_h, 1)
+        self.a2 = torch.nn.Linear(d_h, 1, bias=False)
         self.base1.weight.requires_grad_(False)
         self.base2.requires_grad_(False)
 
@@ -262,3 +262,60 @@ def _checkpoint_case(path):
 
 def test_checkpoint_round_trip(tmp_path):
     assert all(run_distributed(_checkpoint_case, world_size=2, args=(str(tmp_path), ), timeout=180))
+
+
+def _random_case(world, seed, dtype):
+    """Seeded random widths (1-wide layers, frozen parameters smaller than the world; seeds 2, 10, 11 give 1x19x2,
+    2x4x1 and 2x31x1), bf16 too: the first forward
+    bitwise the reference's on the dequantized frozen weights, and a step trains the adapters only."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    gen = torch.Generator().manual_seed(seed)
+    d_in, d_h, r = (int(torch.randint(1, hi, (), generator=gen)) for hi in (9, 70, 3))
+    torch.manual_seed(seed)
+    model = LoRANet(d_in, d_h, r).to(dtype)
+    torch.nn.init.normal_(model.b1.weight)
+    ref = LoRANet(d_in, d_h, r).to(dtype)
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in ref.parameters():
+            if not p.requires_grad:
+                p.copy_(_quantized(p.float(), world).to(dtype))
+    frozen = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.1
+            }
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 1,
+            "zero_quantized_nontrainable_weights": True
+        },
+    }
+    if dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=config)
+    x = torch.randn(2, d_in, generator=torch.Generator().manual_seed(torch.distributed.get_rank())).to(dtype)
+    out = engine(x)
+    assert torch.equal(out, ref(x))
+    engine.backward(out.float().square().mean())
+    engine.step()
+    for n, p in engine.module.named_parameters():
+        value = safe_get_full_fp32_param(p)
+        if n in frozen:
+            assert torch.equal(value.to(dtype), frozen[n]), n
+    assert torch.equal(engine(x), engine(x))  # gathers after the step: the frozen columns decode alike
+    return (d_in, d_h, r)
+
+
+@pytest.mark.parametrize("world,seed,dtype", [(1, 2, torch.float32), (2, 10, torch.bfloat16), (4, 11, torch.float32)])
+def test_random_shapes(world, seed, dtype):
+    shapes = run_distributed(_random_case, world_size=world, args=(world, seed, dtype), timeout=180)
+    assert len(set(shapes)) == 1
