@@ -11,7 +11,11 @@ dequantized values, computed here from the quantizer's formula (each rank's shar
 * forward outputs bitwise the reference's; gradients and parameters after 3 SGD steps bitwise at world 2
   (within 1e-6 at world 4 with hpZ, where four rank gradients are summed in another order);
 * ``GatheredParameters`` and the consolidated 16-bit state dict give the dequantized values;
-* with the key off, the frozen weights are the exact ones (the reference with unquantized weights).
+* with the key off, the frozen weights are the exact ones (the reference with unquantized weights);
+* a checkpoint restores the codes and scales bitwise into the same layout, the dequantized values into an engine
+  without the key;
+* seeded random widths (1-wide layers, frozen parameters smaller than the world) at worlds 1, 2 (bf16) and 4;
+* with qwZ as well: every gather's bytes are the stored frozen codes plus qwZ's packed trainable row.
 """
 
 import pytest
@@ -319,3 +323,57 @@ def _random_case(world, seed, dtype):
 def test_random_shapes(world, seed, dtype):
     shapes = run_distributed(_random_case, world_size=world, args=(world, seed, dtype), timeout=180)
     assert len(set(shapes)) == 1
+
+
+def _qwz_case():
+    """With qwZ too: the frozen codes travel as stored and the trainable columns as qwZ's int8 blocks."""
+    import deepspeed
+    from deepspeed.comm.timed import comms_logger
+    torch.manual_seed(0)
+    model = LoRANet()
+    ref = LoRANet()
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in ref.parameters():
+            if not p.requires_grad:
+                p.copy_(_quantized(p, 2))
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.1
+            }
+        },
+        "comms_logger": {
+            "enabled": True,
+            "prof_all": True
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 1,
+            "zero_quantized_nontrainable_weights": True,
+            "zero_quantized_weights": True
+        },
+    }
+    engine, *_ = deepspeed.initialize(model=model,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=config)
+    comms_logger.comms_dict.clear()
+    x, _ = _batch(0, torch.distributed.get_rank())
+    out, want = engine(x), ref(x)
+    comms_logger.enabled = False
+    # only the adapters' gathers are lossy (half a step of their int8 blocks)
+    assert not torch.equal(out, want) and torch.allclose(out, want, rtol=0.02, atol=0.02)
+    return {name: sorted(sizes) for name, sizes in comms_logger.comms_dict.items()}, \
+        [_unit_row(m) for m in (model.base1, model.a1, model.b1, model.base2, model.a2)]
+
+
+def test_with_qwz():
+    from deepspeed.runtime.zero import block_quant as bq
+    records, rows = run_distributed(_qwz_case, world_size=2, timeout=180)[0]
+    want = set()
+    for trainable, frozen in rows:
+        want.add(sum(f + 4 * -(-f // 4096) for f in frozen) + (bq.row_bytes(trainable, 8, 4096) if trainable else 0))
+    assert set(records["all_gather_into_tensor:qwZ"]) == want and "all_gather_into_tensor" not in records
