@@ -94,6 +94,9 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             for p in all_params:
                 if not is_zero_param(p):
                     partition_param(p, world, rank, shard_device=self.param_device, dtype=model_dtype)
+                elif hasattr(p, "ds_quant_store"):  # quantized frozen by an earlier engine: its dequantized shard
+                    p.ds_tensor = p.ds_quant_store.shard_values(p, model_dtype)
+                    del p.ds_quant_store
                 elif p.ds_tensor.dtype != model_dtype:
                     p.ds_tensor = p.ds_tensor.to(model_dtype)
         units = build_units(module, all_params, config.unit_numel, config.persistence_threshold, world,

@@ -194,7 +194,32 @@ def test_key_off_unchanged():
     assert set(records["all_gather_into_tensor"]) == {4 * (t + sum(f)) for t, f in rows}
 
 
+def _loose_refused():
+    import deepspeed
+    model = LoRANet()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.1
+            }
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "zero_quantized_nontrainable_weights": True
+        }
+    }
+    try:  # a2 requires a gradient but is given to no optimizer group
+        deepspeed.initialize(model=model, model_parameters=[model.a1.weight, model.b1.weight], config=config)
+    except NotImplementedError as error:
+        return str(error)
+    return None
+
+
 def test_refusals():
+    message = run_distributed(_loose_refused, world_size=1)[0]
+    assert message and "zero_quantized_nontrainable_weights" in message and "optimizer" in message
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.zeropp import check_zeropp
     for device in ("cpu", "nvme"):
