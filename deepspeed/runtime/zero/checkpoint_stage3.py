@@ -6,7 +6,8 @@ only the persistent buffers: parameters are never whole; ``ds_checkpoint_meta`` 
 ``model_files`` and ``state_dict_keys``) and its optimizer file: ``zero_stage`` 3,
 ``fp32_flat_groups`` (the rank's fp32 master partition per param group),
 ``base_optimizer_state``, ``frozen_16bit_shards`` (the rank's 16-bit shards of the frozen
-parameters; None with ``exclude_frozen_parameters``), ``partition_count``, the loss-scaler
+parameters, dequantized when ZeRO++ stores them quantized, whose int8 codes and scales are then also in
+``frozen_quantized_shards``; None with ``exclude_frozen_parameters``), ``partition_count``, the loss-scaler
 entries and ``zero3_layout`` (:func:`describe_zero3_layout`).
 
 Import. From the same layout each rank copies its own partitions; from anything else a
@@ -24,6 +25,7 @@ from deepspeed.runtime.checkpoint import paths
 from deepspeed.runtime.checkpoint.model_state import buffer_names, persistent_buffers
 from deepspeed.runtime.checkpoint.stage3_state import LAYOUT3_KEY, same_zero3_layout
 from deepspeed.runtime.checkpoint.stage_checkpoint import STAGE_EXTRA_KEY, FlatMastersCheckpoint
+from deepspeed.runtime.zero.frozen_quant import load_packed_state, packed_state
 from deepspeed.runtime.zero.partition_parameters import write_shard_from_full
 
 
@@ -65,7 +67,7 @@ class Stage3Checkpoint(FlatMastersCheckpoint):
     parts_key = "fp32_flat_groups"
 
     def _frozen_part(self):
-        return self.stage.sources[len(self.stage.masters)]
+        return self.stage.frozen_partition()
 
     # ---------------------------------------------------------------- export
     def checkpoint_files(self, save):
@@ -85,6 +87,8 @@ class Stage3Checkpoint(FlatMastersCheckpoint):
                      fp32_flat_groups=[m.detach() for m in stage.masters],
                      frozen_16bit_shards=frozen,
                      partition_count=self.layout.world_size)
+        if frozen is not None and stage.frozen_store is not None:  # ZeRO++ quantized frozen weights, exactly
+            state["frozen_quantized_shards"] = packed_state(stage.frozen_store)
         state[LAYOUT3_KEY] = describe_zero3_layout(stage, save.name_of)
         extra = stage.extra_state()  # ZenFlow's window, selection and device part
         if extra is not None:
@@ -96,8 +100,7 @@ class Stage3Checkpoint(FlatMastersCheckpoint):
     @torch.no_grad()
     def full_16bit_value(self, param):
         stage = self.stage
-        source = stage.sources[self.layout.slots[param].group]  # fp32 masters or 16-bit shards
-        full = stage._gather(self.layout.shard_view(source, param), param)
+        full = stage._gather(stage.shard_16bit(param), param)  # fp32 masters or 16-bit shards
         return full.to(stage.model_dtype).cpu().clone()
 
     # ---------------------------------------------------------------- import
@@ -110,8 +113,11 @@ class Stage3Checkpoint(FlatMastersCheckpoint):
 
     def _restore_extra(self, saved):
         frozen = saved.get("frozen_16bit_shards")
-        if frozen is not None:
-            self._frozen_part().copy_(frozen)
+        packed = saved.get("frozen_quantized_shards")
+        if packed is not None and self.stage.frozen_store is not None:
+            load_packed_state(self.stage.frozen_store, packed)
+        elif frozen is not None:
+            self.stage.load_frozen_partition(frozen)
 
     def _write(self, param, value, out):
         write_shard(self.layout, param, value, out)

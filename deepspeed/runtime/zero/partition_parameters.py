@@ -123,6 +123,8 @@ def gather_param(param, group=None):
     import deepspeed.comm as dist
     world, _ = _dp_world()
     shard = param.ds_tensor
+    if hasattr(param, "ds_quant_store"):  # quantized frozen shard (ZeRO++): its dequantized values
+        shard = param.ds_quant_store.shard_values(param)
     device = get_accelerator().current_device_name() if shard.device.type == "cpu" and \
         get_accelerator()._name != "cpu" else shard.device
     shard = shard.to(device)
@@ -143,6 +145,13 @@ def write_shard_from_full(param, full):
     flat = full.reshape(-1)
     start = rank * shard
     take = max(0, min(param.ds_numel - start, shard))
+    store = getattr(param, "ds_quant_store", None)
+    if store is not None:  # quantized frozen shard (ZeRO++): the new shard is quantized
+        values = torch.zeros(shard, dtype=torch.float32, device=param.ds_tensor.device)
+        if take > 0:
+            values[:take].copy_(flat[start:start + take])
+        store.write_shard(param, values)
+        return
     param.ds_tensor.zero_()
     if take > 0:
         param.ds_tensor[:take].copy_(flat[start:start + take])

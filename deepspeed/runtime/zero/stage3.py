@@ -94,6 +94,9 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             for p in all_params:
                 if not is_zero_param(p):
                     partition_param(p, world, rank, shard_device=self.param_device, dtype=model_dtype)
+                elif hasattr(p, "ds_quant_store"):  # quantized frozen by an earlier engine: its dequantized shard
+                    p.ds_tensor = p.ds_quant_store.shard_values(p, model_dtype)
+                    del p.ds_quant_store
                 elif p.ds_tensor.dtype != model_dtype:
                     p.ds_tensor = p.ds_tensor.to(model_dtype)
         units = build_units(module, all_params, config.unit_numel, config.persistence_threshold, world,
@@ -115,6 +118,10 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                 p.data = torch.empty(0, dtype=model_dtype, device=device)
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
+        # ZeRO++ quantized frozen weights (``frozen_quant.py``): the frozen shards become int8 codes and scales
+        self.frozen_store = None
+        if config.zeropp.quantized_nontrainable_weights:
+            self.frozen_store = self._quantize_frozen(units, all_params, group_of)
         grad_transport, fetch = self._zeropp(config.zeropp, group, world)
         geometry = UnitGeometry(units,
                                 layout,
@@ -145,9 +152,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             for g, master in enumerate(self.masters):
                 self.sources[g] = master.data
                 self.shards[g] = None
-            with torch.no_grad():
-                for p in all_params:
-                    p.ds_tensor = layout.shard_view(self.sources[layout.slots[p].group], p)
+            self._point_ds_tensors()
         # Offload: host shards reach the device through asynchronous copies; host masters are stepped by
         # a HostStep that writes host shards directly, or pinned buffers uploaded to device shards.
         self.fetch = None
@@ -219,7 +224,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         ``deepspeed.utils.node_axis``) serves hpZ's secondary shards (``unit_fetch.py``) and qgZ's two hops
         (``quantized_reduce.py``); with neither, the default transport and a plain fetch."""
         nodes = zeropp.hpz_partition_size
-        if zeropp.quantized_weights or zeropp.quantized_gradients:
+        if zeropp.quantized_weights or zeropp.quantized_gradients or zeropp.quantized_nontrainable_weights:
             from deepspeed.ops import block_quant_native
             block_quant_native.register(self.device)  # the host op for a CPU engine (measured faster there)
         if zeropp.quantized_gradients and nodes == 1 and group is None:
@@ -229,8 +234,23 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         fetch = UnitFetchPlan(group,
                               world,
                               quantized_weights=zeropp.quantized_weights,
-                              node_axis=node_axis if zeropp.hpz_partition_size > 1 else None)
+                              node_axis=node_axis if zeropp.hpz_partition_size > 1 else None,
+                              frozen=self.frozen_store)
         return grad_transport, fetch
+
+    def _quantize_frozen(self, units, all_params, group_of):
+        """The :class:`FrozenQuantStore` of the frozen shards; the 16-bit frozen partition is freed."""
+        from deepspeed.runtime.zero.frozen_quant import FrozenQuantStore
+        loose = [p for p in all_params if p.requires_grad and p not in group_of]
+        if loose:
+            raise NotImplementedError("zero_optimization.zero_quantized_nontrainable_weights quantizes the frozen "
+                                      f"(requires_grad=False) parameters; {len(loose)} parameter(s) require a "
+                                      "gradient but are in no optimizer param group: freeze them or give them to the "
+                                      "optimizer - see docs/zero.md")
+        frozen = len(self.shards) - 1
+        store = FrozenQuantStore(units, self.layout, self.shards[frozen], self.model_dtype, self.param_device)
+        self.shards[frozen] = None
+        return store
 
     def _page_table(self):
         """The pages of the disk tiers (``device: nvme``): each unit's segment of each group (the frozen parameters
@@ -279,7 +299,20 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         if tier is not None and not tier.resident:
             return tier.fetch_row(unit, out)
         segments = self.layout.segments[unit.index]
+        tail = self.frozen_store.tail(unit.index) if self.frozen_store is not None else None
+        if tail is not None:  # the frozen columns travel as stored (quantized): only the trainable ones are sent
+            segments = segments[:-1]
         pieces = [self.sources[g].narrow(0, part_offset, length) for g, part_offset, _, length in segments]
+        if tail is not None:  # (no parameter offload here: refused with this key)
+            numel = unit.chunk - tail.length
+            if out is None:
+                row = torch.empty(numel, dtype=self.model_dtype, device=self.device)
+            else:  # a world of one: the whole unit, frozen columns dequantized in place
+                row = out.narrow(0, 0, numel)
+                self.frozen_store.decode_local(tail, out.narrow(0, numel, tail.length))
+            if pieces:
+                grad_ops.pack_cast(pieces, row)
+            return (row if out is None else out), DONE
         if self.fetch is None:
             row = torch.empty(unit.chunk, dtype=self.model_dtype, device=self.device) if out is None else out
             grad_ops.pack_cast(pieces, row)
@@ -420,7 +453,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         table = super().state_table()
         if not self.config.offload_param:  # the 16-bit shards (or the masters gathers read) and their views
             table[Kind.lp_params] = [s for s in self.sources if s is not None] + \
-                [p.ds_tensor for p in self.module.parameters()]
+                [p.ds_tensor for p in self.module.parameters() if not hasattr(p, "ds_quant_store")]
         return table
 
     _own_shards = False  # 16-bit shards made for an offload of the masters alone (see before_offload)
@@ -461,7 +494,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def _point_ds_tensors(self):
         layout = self.layout
         for p in self.module.parameters():
-            p.ds_tensor = layout.shard_view(self.sources[layout.slots[p].group], p)
+            if not hasattr(p, "ds_quant_store"):  # a quantized frozen shard keeps its codes
+                p.ds_tensor = layout.shard_view(self.sources[layout.slots[p].group], p)
 
     def _masters_current(self):
         super()._masters_current()
@@ -512,8 +546,27 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
     def fp32_param(self, param):
         self._masters_current()
         g = self._group(param)
-        source = self.masters[g].data if g < len(self.masters) else self.sources[g]  # never the 16-bit shards
-        return self._gather(self._shard_of(source, param), param)
+        if g < len(self.masters):  # never the 16-bit shards
+            return self._gather(self._shard_of(self.masters[g].data, param), param)
+        return self._gather(self.shard_16bit(param), param)
+
+    def shard_16bit(self, param):
+        """This rank's shard of ``param`` in the model dtype (a quantized frozen one dequantized)."""
+        if hasattr(param, "ds_quant_store"):
+            return param.ds_quant_store.shard_values(param, self.model_dtype)
+        return self._shard_of(self.sources[self._group(param)], param)
+
+    def frozen_partition(self):
+        """The frozen parameters' 16-bit partition (a dequantized copy when they are stored quantized)."""
+        if self.frozen_store is not None:
+            return self.frozen_store.partition_values(self.module.parameters())
+        return self.sources[len(self.masters)]
+
+    def load_frozen_partition(self, values):
+        if self.frozen_store is not None:
+            self.frozen_store.load_partition(self.module.parameters(), values)
+        else:
+            self.sources[len(self.masters)].copy_(values)
 
     def local_fp32_param(self, param):
         self._masters_current()
@@ -539,6 +592,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                 self._write(self.masters[g].data, param, value)
             write_shard_from_full(param, value)
             if param.ds_status == ZeroParamStatus.AVAILABLE:
+                if hasattr(param, "ds_quant_store"):  # what a gather of the new codes gives
+                    value = param.ds_quant_store.round_trip_full(param, value.to(param.data.device), self.world_size)
                 param.data.copy_(value)
         if self.zenflow is not None:
             self.zenflow.masters_changed()
@@ -560,7 +615,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         for name, param in self.module.named_parameters():
             if exclude_frozen_parameters and not param.requires_grad:
                 continue
-            full = self._gather(self._shard_of(self.sources[self._group(param)], param), param)
+            full = self._gather(self.shard_16bit(param), param)
             state[name] = full.to(self.model_dtype).cpu()
         for name, buffer in self.module.named_buffers():
             state[name] = buffer.detach().cpu()

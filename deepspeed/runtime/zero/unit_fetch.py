@@ -14,6 +14,9 @@ ZeRO group in rank order. :class:`UnitFetchPlan` decides, per gather:
   sends its ``N`` rows, which arrive as all ``W`` rows in order. The rows are the very bytes the forward
   received, so the backward sees bitwise the forward's parameters (with qwZ too: nothing is quantized
   twice), while its all-gather stays inside the node.
+* **quantized frozen weights** (``zero_quantized_nontrainable_weights``, ``frozen_quant.py``). A unit with
+  frozen parameters sends their stored int8 codes and scales as they are, ahead of its trainable columns (in
+  the wire format above); the frozen columns are dequantized after the collective. The wire row is then bytes.
 
 The secondary shards are dropped whenever the 16-bit shards may have changed (:meth:`invalidate`: the
 step, a checkpoint load, ``set_fp32_param``, a modifying ``GatheredParameters``); a backward gather without
@@ -63,8 +66,9 @@ class UnitFetchPlan:
     :class:`~deepspeed.utils.node_axis.NodeAxis` of that group, or None (no hpZ).
     """
 
-    def __init__(self, group, world_size, *, quantized_weights=False, node_axis=None):
+    def __init__(self, group, world_size, *, quantized_weights=False, node_axis=None, frozen=None):
         self.group = group
+        self.frozen = frozen  # a FrozenQuantStore (quantized frozen weights), or None
         self.world_size = world_size
         self.wire = QuantizedWire() if quantized_weights else RawWire()
         self.transport = CommTransport("qwZ") if quantized_weights else DEFAULT_TRANSPORT
@@ -89,9 +93,17 @@ class UnitFetchPlan:
                                  dtype=secondary.dtype,
                                  device=secondary.device)
             return self.node_transport.all_gather(buffer, secondary, self.node_axis.node_group), buffer, False
-        wire = self.wire.encode(send)
+        tail = self.frozen.tail(unit_index) if self.frozen is not None else None
+        wire = self.wire.encode(send) if tail is None else self._with_frozen(tail, send)
         buffer = torch.empty(self.world_size * wire.numel(), dtype=wire.dtype, device=wire.device)
         return self.transport.all_gather(buffer, wire, self.group), buffer, keep and self.node_axis is not None
+
+    def _with_frozen(self, tail, send):
+        """One uint8 wire row: the stored frozen codes and scales, then the trainable columns ``send`` encoded."""
+        if send is None or send.numel() == 0:
+            return tail.packed
+        encoded = self.wire.encode(send)
+        return torch.cat((tail.packed, encoded.reshape(-1).view(torch.uint8)))
 
     def needs_row(self, backward, unit_index):
         """Whether a gather in this phase needs this rank's row (False: the secondary shard serves)."""
@@ -105,7 +117,18 @@ class UnitFetchPlan:
             nodes = self.node_axis.nodes
             start = self.node_axis.node_rank * nodes
             self._secondary[unit_index] = rows[start:start + nodes].clone().view(-1)
-        return self.wire.decode(rows, numel, dtype)
+        tail = self.frozen.tail(unit_index) if self.frozen is not None else None
+        if tail is None:
+            return self.wire.decode(rows, numel, dtype)
+        out = torch.empty(rows.shape[0], numel, dtype=dtype, device=rows.device)
+        trainable = numel - tail.length
+        if trainable:
+            body = rows[:, tail.nbytes:].clone(memory_format=torch.contiguous_format)
+            if not self.wire.quantized:
+                body = body.view(dtype)
+            out[:, :trainable].copy_(self.wire.decode(body, trainable, dtype))
+        self.frozen.decode(tail, rows[:, :tail.nbytes], out[:, trainable:])
+        return out
 
     def invalidate(self):
         """The 16-bit shards may have changed: drop every secondary shard."""

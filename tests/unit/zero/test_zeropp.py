@@ -336,7 +336,7 @@ def _refused(zero, stage):
     }, 3, ["zeropp_loco_param"]),
     ({
         "zero_quantized_nontrainable_weights": True
-    }, 3, ["zero_quantized_nontrainable_weights"]),
+    }, 2, ["zero_quantized_nontrainable_weights", "stage 3"]),
     ({
         "zero_hpz_partition_size": 3
     }, 3, ["zero_hpz_partition_size", "divide"]),
