@@ -51,7 +51,7 @@ def describe_zero3_layout(stage, name_of):
 def write_shard(layout, param, value, out):
     """Write this rank's shard of the full ``value`` of ``param`` into ``out`` (a group partition); padding 0."""
     slot = layout.slots[param]
-    start = layout.rank * slot.shard
+    start = slot.rank * slot.shard
     take = max(0, min(param.ds_numel - start, slot.shard))
     target = out.narrow(0, slot.part_offset, slot.shard)
     target.zero_()

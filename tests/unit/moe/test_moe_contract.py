@@ -269,21 +269,27 @@ def _cells(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_contract(world):
-    # ZeRO-3 holds experts of expert-parallel size 1 (every rank holds every expert): sharded like dense parameters
-    stage3 = [(3, "fp32", 4, 1, 2, None),
-              (3, "bf16", 1, 1, 1, "split")] if world == 2 else [(3, "fp32", 1, 1, 1, None)]
+    # ZeRO-3 holds experts of expert-parallel size 1 (every rank holds every expert) sharded like dense parameters,
+    # and experts of size 2 sharded over their expert-data-parallel group (one rank at world 2, two at world 4)
+    stage3 = [(3, "fp32", 4, 1, 2, None), (3, "bf16", 1, 1, 1, "split"), (3, "fp32", 4, 2, 2, None),
+              (3, "bf16", 1, 2, 1, "split")] if world == 2 else [(3, "fp32", 1, 1, 1, None),
+                                                                 (3, "fp32", 4, 2, 2, "mixed"),
+                                                                 (3, "bf16", 1, 2, 1, None)]
     failures = run_distributed(_run_cells, world, args=(_cells(world) + stage3, ), timeout=T)
     assert failures == [[]] * world, failures[0]
 
 
-def _stage3():
+def _stage3_offload(key):
     import deepspeed
     model = Net(2, 1)
+    zero = {"stage": 3}
+    if key == "offload_optimizer":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    else:
+        zero["zero_hpz_partition_size"] = 2
     config = {
         "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {
-            "stage": 3
-        },
+        "zero_optimization": zero,
         "optimizer": {
             "type": "SGD",
             "params": {
@@ -294,12 +300,14 @@ def _stage3():
     try:
         deepspeed.initialize(model=model, config=config)
     except NotImplementedError as err:
-        return "stage 3" in str(err)
+        return f"zero_optimization.{key}" in str(err) and "stage 3" in str(err)
     return False
 
 
-def test_stage3_errors_on_every_rank():
-    assert run_distributed(_stage3, 2, timeout=T) == [True, True]
+@pytest.mark.parametrize("key", ["offload_optimizer", "zero_hpz_partition_size"])
+def test_stage3_expert_refusals_on_every_rank(key):
+    """Experts of expert-parallel size > 1 on ZeRO-3 with what does not take them yet: refused by name, every rank."""
+    assert run_distributed(_stage3_offload, 2, args=(key, ), timeout=T) == [True, True]
 
 
 def test_moe_contract_offload():
