@@ -22,7 +22,7 @@ contributes a zero gradient.
 
 Bad input is an error on every rank before any collective: an unknown ``preset_model`` or one
 that does not match the model, a model without sparse MoE blocks, ``num_experts`` not divisible
-by ``autoep_size``, ``autoep_size`` not dividing the world, a routing that cannot be computed, ZeRO stage 3.
+by ``autoep_size``, ``autoep_size`` not dividing the world, a routing that cannot be computed.
 """
 
 import re
@@ -116,10 +116,6 @@ def check_autoep(model, cfg, world_size, zero_stage, sequence_parallel_size=1):
                          f"({cfg.num_experts_attr or PRESETS[preset].num_experts_attr}={num_experts})")
     if world_size % ep != 0:
         raise ValueError(f"expert_parallel.autoep_size={ep} must divide the world size ({world_size})")
-    if zero_stage == 3 and ep > 1:
-        raise NotImplementedError(f"expert_parallel (AutoEP) with autoep_size={ep} on ZeRO stage 3 is not supported: "
-                                  f"stage 3 shards every parameter over all data-parallel ranks; use autoep_size 1 "
-                                  f"on ZeRO-3, or ZeRO stage 0, 1 or 2 (see docs/moe.md)")
     return preset
 
 

@@ -13,7 +13,8 @@ modules (tied weights) goes to the root unit. Small parameters
 is gathered once and never released.
 
 Leaf modules (``deepspeed.utils.set_z3_leaf_modules``: a mixture-of-experts block). The
-whole subtree of a leaf is one unit rooted at the leaf, whatever its size, small
+whole subtree of a leaf is one unit rooted at the leaf (one per group when it holds experts
+partitioned over a group of their own), whatever its size, small
 parameters included (a parameter also registered outside the subtree stays in the root
 unit). Only the leaf gets hooks, none of the modules inside it: the unit is gathered at
 the leaf's forward, whichever experts its router picks, so every rank issues the same
@@ -146,7 +147,10 @@ class UnitCoordinator:
     # ----------------------------------------------------------------- hooks
     def _install_hooks(self):
         unit_of_param = self._unit_of_param
-        leaf_units = {u.leaf: u for u in self.units if u.leaf is not None}
+        leaf_units = {}  # leaf -> its units (one, or one per group when experts of their own group are inside)
+        for unit in self.units:
+            if unit.leaf is not None:
+                leaf_units.setdefault(unit.leaf, []).append(unit)
         inside_leaf = {sub for leaf in leaf_units for sub in leaf.modules() if sub is not leaf}
         self._module_units = {}
         for module in self.module.modules():
@@ -265,7 +269,7 @@ class UnitCoordinator:
         else:
             self.gather(unit)
 
-    def _leaf_inputs(self, unit, module, args, kwargs):
+    def _leaf_inputs(self, units, module, args, kwargs):
         # The leaf's backward is over once the gradient of every input that needs one is complete: a
         # pre-hook on the input's grad_fn (the node that takes that gradient) fires then, after every
         # module inside the leaf ran its backward, at the same point on every rank. The held bucket
@@ -284,14 +288,15 @@ class UnitCoordinator:
         if not inputs:
             return None  # nothing marks the end of its backward: the epilogue completes the unit
         remaining = {}  # graph task -> inputs whose gradient is not complete yet
-        pipeline, index, count = self.pipeline, unit.index, len(inputs)
+        pipeline, indices, count = self.pipeline, [unit.index for unit in units], len(inputs)
 
         def input_done(*_):
             task = torch._C._current_graph_task_id()
             left = remaining.get(task, count) - 1
             remaining[task] = left
             if left == 0:
-                pipeline.release_hold(index)
+                for index in indices:
+                    pipeline.release_hold(index)
             return None
 
         for tensor in inputs:
@@ -638,12 +643,7 @@ def build_units(module, params, unit_numel, persistence_threshold, world_size, g
 
     units = []
     for root, ps, is_leaf in groups:
-        pieces = by_spec(ps)
-        if is_leaf and len(pieces) > 1:
-            raise NotImplementedError(f"a ZeRO-3 leaf module ({type(root).__name__}, set_z3_leaf_modules) holding "
-                                      f"expert parameters of expert-parallel size > 1 beside other parameters is not "
-                                      f"supported (see docs/moe.md)")
-        for spec, mine in pieces:
+        for spec, mine in by_spec(ps):  # a leaf's units all gather at its forward and complete with its backward
             unit = ParamUnit(len(units),
                              root,
                              sorted(mine, key=by_group),

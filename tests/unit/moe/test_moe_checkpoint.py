@@ -95,7 +95,8 @@ def _resume(kind, stage, ep, directory):
     return got_losses == want_losses, bad, files
 
 
-@pytest.mark.parametrize("kind, stage, ep", [("moe", 0, 2), ("moe", 2, 2), ("autoep", 1, 2), ("autoep", 3, 1)])
+@pytest.mark.parametrize("kind, stage, ep", [("moe", 0, 2), ("moe", 2, 2), ("autoep", 1, 2), ("autoep", 3, 1),
+                                             ("moe", 3, 2), ("autoep", 3, 2)])
 def test_resume_is_exact(kind, stage, ep, tmp_path):
     results = run_distributed(_resume, 2, args=(kind, stage, ep, str(tmp_path)), timeout=T)
     for same_losses, bad, files in results:
@@ -161,8 +162,8 @@ def _rank_values(engine):
 
 
 def _reshard_cells(directory):
-    return _reshard("moe", 2, os.path.join(directory, "moe")) + _reshard(
-        "autoep", 1, os.path.join(directory, "ep"), ((1, None), (4, None), (1, 3)))
+    return _reshard("moe", 2, os.path.join(directory, "moe")) + _reshard("autoep", 1, os.path.join(directory, "ep"),
+                                                                         ((1, None), (4, None), (1, 3)))
 
 
 def test_reshard_across_expert_parallel_sizes(tmp_path):

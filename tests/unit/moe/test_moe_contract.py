@@ -218,6 +218,10 @@ def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer, offload=False):
         # bf16 masters' uploads run in the pipelined host step (fp32 models step on torch's kernels by default)
         assert stage_impl.host_step is not None and (dtype_name == "fp32" or stage_impl._pipelined())
     assert model.moe.global_expert_indices == _local_experts(rank, ep)
+    if stage == 3:  # experts sharded over their expert-data-parallel group (world / ep ranks), the rest over all
+        for name, p in model.named_parameters():
+            over = world // ep if ".deepspeed_experts." in name else world
+            assert p.ds_shard_numel == -(-p.ds_numel // over), (name, p.ds_shard_numel, over)
     data = _data(world, gas)
     got = None
     for micro in range(gas):
