@@ -79,10 +79,10 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         # Experts of expert-parallel size 1 are held by every rank of the dense group: they are sharded and reduced
         # like dense parameters. Larger sizes are partitioned, gathered and reduced over their expert-data-parallel
         # group (their ReductionSpec), in units of their own.
+        # (frozen experts too: their shards differ by expert-parallel rank like the trained ones')
         self._expert_specs = {
             p: self.reduction.spec_of(p)
-            for g in optimizer.param_groups
-            for p in g["params"]
+            for p in module.parameters()
             if not getattr(p, "allreduce", True) and getattr(p, "group_name", None) != EXPERT_GROUP_PREFIX + "1"
         }
         if self._expert_specs:
