@@ -86,7 +86,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             if not getattr(p, "allreduce", True) and getattr(p, "group_name", None) != EXPERT_GROUP_PREFIX + "1"
         }
         if self._expert_specs:
-            _check_expert_support(config, self._expert_specs)
+            check_expert_support(config, sorted({spec.name for spec in self._expert_specs.values()}))
         self.module = module
         world, rank = self.world_size, self.rank
         model_dtype = config.model_dtype
@@ -593,8 +593,9 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         return state
 
 
-def _check_expert_support(config, expert_specs):
-    """Raise where expert parameters of expert-parallel size > 1 meet a stage-3 feature that does not take them."""
+def check_expert_support(config, group_names):
+    """Raise where expert parameters of expert-parallel size > 1 (of the expert groups ``group_names``) meet a
+    stage-3 feature that does not take them; ``config`` a StageConfig (AutoEP checks before any collective)."""
     zeropp = config.zeropp
     unsupported = [
         ("offload_optimizer", config.offload_optimizer),
@@ -606,10 +607,9 @@ def _check_expert_support(config, expert_specs):
     ]
     keys = [key for key, on in unsupported if on]
     if keys:
-        names = sorted({spec.name for spec in expert_specs.values()})
         raise NotImplementedError(
             f"zero_optimization.{', zero_optimization.'.join(keys)} with expert parameters of "
-            f"expert-parallel groups {names} on ZeRO stage 3 is not supported; use expert-parallel "
+            f"expert-parallel groups {group_names} on ZeRO stage 3 is not supported; use expert-parallel "
             f"size 1 or leave these keys off (see docs/moe.md)")
 
 
