@@ -324,6 +324,7 @@ def _random_shape(seed):
 
 
 CELLS_2.append(("qwen3_5_moe", 2, 2, 1, "fp32", False, False, _random_shape(40)))  # 6 experts (3 per rank), top-4
+CELLS_4.append(("mixtral", 3, 2, 1, "fp32", False, False, _random_shape(45)))  # ZeRO-3: 8 experts (4 per rank), top-3
 
 
 def test_presets_world2():
