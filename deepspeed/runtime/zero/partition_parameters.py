@@ -83,11 +83,12 @@ def _empty_like(param):
 
 
 @torch.no_grad()
-def partition_param(param, world_size=None, rank=None, shard_device=None, dtype=None, group=None):
+def partition_param(param, world_size=None, rank=None, shard_device=None, dtype=None, group=None, own_group=False):
     """Turn ``param`` into a partitioned parameter, keeping this rank's shard. Idempotent.
 
-    ``group`` (with its ``world_size`` and this ``rank`` in it): a group of its own the parameter is sharded over
-    (an expert parameter's expert-data-parallel group); None: the data-parallel world."""
+    ``own_group``: the parameter is sharded over a group of its own, ``group`` (``world_size`` ranks, this one
+    ``rank`` in it; None for a group of one), not the data-parallel world (an expert parameter's
+    expert-data-parallel group); gathers and writes of its shard then use that group."""
     if is_zero_param(param):
         return param
     if world_size is None:
@@ -109,7 +110,7 @@ def partition_param(param, world_size=None, rank=None, shard_device=None, dtype=
     param.ds_tensor = piece
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
     param.ds_persist = False
-    if group is not None:
+    if own_group:
         param.ds_process_group = group
         param.ds_partition_world = world_size
         param.ds_partition_rank = rank
@@ -449,7 +450,7 @@ class GatheredParameters(contextlib.ContextDecorator):
             if self.modifier_rank is not None and exc[0] is None:
                 _shards_current(self.params)
                 world, _ = _dp_world()
-                if any(getattr(p, "ds_process_group", None) is not None for p in self.params):
+                if any(getattr(p, "ds_partition_world", None) is not None for p in self.params):
                     raise NotImplementedError("GatheredParameters(modifier_rank=...) over expert parameters of "
                                               "expert-parallel size > 1 on ZeRO-3 is not supported")
                 with torch.no_grad():

@@ -100,7 +100,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         with torch.no_grad():
             for p in all_params:
                 spec = self._expert_specs.get(p)
-                if is_zero_param(p) and spec is not None and getattr(p, "ds_process_group", None) is not spec.group:
+                if is_zero_param(p) and spec is not None and getattr(p, "ds_partition_world", None) is None:
                     raise NotImplementedError(
                         "expert parameters of expert-parallel size > 1 created under deepspeed.zero.Init are not "
                         "supported on ZeRO stage 3 (they are partitioned over every data-parallel rank); build the "
@@ -111,7 +111,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                                     rank if spec is None else spec.rank,
                                     shard_device=self.param_device,
                                     dtype=model_dtype,
-                                    group=None if spec is None else spec.group)
+                                    group=None if spec is None else spec.group,
+                                    own_group=spec is not None)
                 elif p.ds_tensor.dtype != model_dtype:
                     p.ds_tensor = p.ds_tensor.to(model_dtype)
         units = build_units(module,

@@ -231,6 +231,14 @@ def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer, offload=False):
             got = _engine_grads(engine, model, ep)
         engine.step()
     norm = float(engine.get_global_grad_norm())  # of the whole gradient: every rank's experts counted once
+    held = []
+    if stage == 3:  # GatheredParameters gathers an expert over its group: this rank's experts' values (lr 0)
+        engine.empty_partition_cache()  # persistent units too: the gathers below are GatheredParameters' own
+        for local, e in enumerate(_local_experts(rank, ep)):
+            expert = model.moe.deepspeed_moe.experts.deepspeed_experts[local]
+            with deepspeed.zero.GatheredParameters(list(expert.parameters())):
+                held += [(e, p.detach().float().clone(), v.to(dtype).float())
+                         for p, v in zip(expert.parameters(), _expert_values(e))]
     engine.destroy()
     want, empty_seen = _reference(world, gas, k, dtype) if dtype_name == "fp32" else _reference_bf16(world, gas, k)
     tol = 1e-5 if dtype_name == "fp32" else 2e-2
@@ -248,6 +256,7 @@ def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer, offload=False):
     ref_norm = float(torch.cat([w.reshape(-1) for w in want.values()]).norm())
     if not abs(norm - ref_norm) <= (1e-5 if dtype_name == "fp32" else 2e-2) * ref_norm:
         bad.append(f"global grad norm {norm} vs {ref_norm}")
+    bad += [f"gathered expert {e}" for e, got_value, value in held if not torch.equal(got_value, value)]
     assert empty_seen
     return bad
 
