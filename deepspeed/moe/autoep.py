@@ -22,7 +22,8 @@ contributes a zero gradient.
 
 Bad input is an error on every rank before any collective: an unknown ``preset_model`` or one
 that does not match the model, a model without sparse MoE blocks, ``num_experts`` not divisible
-by ``autoep_size``, ``autoep_size`` not dividing the world, a routing that cannot be computed, ZeRO stage 3.
+by ``autoep_size``, ``autoep_size`` not dividing the world, a routing that cannot be computed, ZeRO-3
+with what it does not take with experts of ``autoep_size`` > 1 (offload, ZeRO++; ``stage3.check_expert_support``).
 """
 
 import re
@@ -116,10 +117,6 @@ def check_autoep(model, cfg, world_size, zero_stage, sequence_parallel_size=1):
                          f"({cfg.num_experts_attr or PRESETS[preset].num_experts_attr}={num_experts})")
     if world_size % ep != 0:
         raise ValueError(f"expert_parallel.autoep_size={ep} must divide the world size ({world_size})")
-    if zero_stage == 3 and ep > 1:
-        raise NotImplementedError(f"expert_parallel (AutoEP) with autoep_size={ep} on ZeRO stage 3 is not supported: "
-                                  f"stage 3 shards every parameter over all data-parallel ranks; use autoep_size 1 "
-                                  f"on ZeRO-3, or ZeRO stage 0, 1 or 2 (see docs/moe.md)")
     return preset
 
 
@@ -333,6 +330,12 @@ def configure_autoep(ds_config, model, mpu, world_size):
     if mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
         sp = int(mpu.get_sequence_parallel_world_size())
     check_autoep(model, cfg, world_size, ds_config.zero_optimization_stage, sp)
+    if ds_config.zero_optimization_stage == 3 and cfg.autoep_size > 1:  # what ZeRO-3 does not take with experts
+        from deepspeed.runtime.zero.stage3 import check_expert_support
+        from deepspeed.runtime.zero.stages import StageConfig
+        from deepspeed.utils.groups import expert_group_name
+        check_expert_support(StageConfig.from_ds_config(ds_config, torch.float32),
+                             [expert_group_name(cfg.autoep_size)])
     return cfg
 
 

@@ -19,10 +19,12 @@ Loading (after the stage's own load): every rank reads its experts' files and it
 expert-parallel rank's states file and sets the module values, the fp32 masters and the
 optimizer state, so a resume continues exactly.
 
-Onto another expert-parallel size (a checkpoint of ZeRO 1 or 2; resharding): the module's expert
+Onto another expert-parallel size (a checkpoint of ZeRO 1, 2 or 3; resharding), and between ZeRO-3 and
+another stage when experts are of expert-parallel size > 1: the module's expert
 entries are replaced by this rank's new experts read from the per-expert files
 (:func:`local_module_values`), the stage's partitions give the dense parameters by name (expert
-buckets are skipped, ``checkpoint/reshard.py``), and :func:`add_local_experts` adds this rank's
+buckets, and ZeRO-3's experts sharded over their own group, are skipped: ``checkpoint/reshard.py``,
+``checkpoint/stage3_state.py``), and :func:`add_local_experts` adds this rank's
 experts to that by-name state from every expert states file, indexed by global expert (fp32 values
 and per-element optimizer state; the group's scalars such as ``step`` from the saved group). The
 stage then cuts it into its own layout, so the next steps equal the continued run's.
@@ -102,7 +104,7 @@ def _state_keys(stage, param):
             value = stage.optimizer_state(param, key)
         except KeyError:
             value = None
-        if isinstance(value, torch.Tensor) and value.numel() == param.numel():
+        if isinstance(value, torch.Tensor) and value.numel() == getattr(param, "ds_numel", param.numel()):
             probe.append(key)
     return probe
 
@@ -173,7 +175,7 @@ def check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, l
     if len(set(saved)) > 1:
         raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}; resharding needs one size "
                               f"for every expert layer")
-    if not load_module_only and load_optimizer_states and _saved_stage(directory) not in (1, 2):
+    if not load_module_only and load_optimizer_states and _saved_stage(directory) not in (1, 2, 3):
         raise CheckpointError(f"{directory}: saved with expert-parallel sizes {saved}, this engine has {mine}; a "
                               f"ZeRO stage {_saved_stage(directory)} checkpoint holds the optimizer state of rank 0's "
                               f"experts only. Load with load_module_only=True (the fp32 masters follow the module)")
@@ -221,14 +223,18 @@ def _saved_stage(directory):
     from deepspeed.runtime.checkpoint.reader import META_KEY
     path = os.path.join(directory, paths.model_states_name(0))
     if not os.path.exists(path):
-        return None
+        path = os.path.join(directory, paths.zero3_model_states_name(0))  # stage 3: every rank writes its own
+        if not os.path.exists(path):
+            return None
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     return (ckpt.get(META_KEY) or {}).get("zero_stage", 0 if ckpt.get("optimizer") is not None else None)
 
 
 def resharding(engine, directory):
     """Whether ``directory`` was saved with other expert-parallel sizes than ``engine`` has (checked by
-    :func:`check_load`)."""
+    :func:`check_load`), or experts of size > 1 cross between ZeRO-3 and another stage (ZeRO-3 shards them over
+    their expert-data-parallel group: the partitions of one layout give no expert to the other; the per-expert
+    files do)."""
     if not has_experts(engine) or directory is None:
         return False
     if _upstream_autoep(directory):
@@ -237,7 +243,14 @@ def resharding(engine, directory):
     if not os.path.exists(path):
         return False
     saved = torch.load(path, map_location="cpu", weights_only=False)["ep_sizes"]
-    return saved != [_ep_size(x) for _, _, x in _layers(engine.module)]
+    if saved != [_ep_size(x) for _, _, x in _layers(engine.module)]:
+        return True
+    return max(saved, default=1) > 1 and (_saved_stage(directory) == 3) != (_stage_of(engine) == 3)
+
+
+def _stage_of(engine):
+    stage = getattr(engine, "_stage", None)
+    return getattr(stage, "stage", None) if stage is not None else None
 
 
 def _my_expert_values(engine, directory):

@@ -12,7 +12,9 @@ per parameter, its name, shape, numel, shard size, group and part offset.
 :func:`full_state_from_zero3` concatenates every saved rank's shards and cuts them to
 ``numel``: each parameter's full fp32 value and full optimizer state (a
 :class:`~deepspeed.runtime.checkpoint.reshard.FullState`, what any stage imports), and
-the full 16-bit value of each frozen parameter. ``zero_to_fp32`` reads the same.
+the full 16-bit value of each frozen parameter. ``zero_to_fp32`` reads the same. Parameters marked
+``expert`` (sharded over their expert-data-parallel group; their values differ by expert-parallel rank
+under one name) are left out: they come from the expert files (``runtime/expert_checkpoint.py``).
 """
 
 import torch
@@ -62,6 +64,8 @@ def full_state_from_zero3(payloads, names, with_state=True):
     frozen_parts = [p.get("frozen_16bit_shards") for p in payloads]
     for entry in first["params"]:
         g = entry["group"]
+        if entry.get("expert"):
+            continue
         if g < num_groups:
             result.fp32[entry["name"]] = _full_value([m[g] for m in masters], entry, torch.float32)
         elif all(part is not None for part in frozen_parts):
@@ -80,6 +84,8 @@ def full_state_from_zero3(payloads, names, with_state=True):
             partitioned = key != STEP_KEY and torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
             for entry in entries:
                 st = result.state.setdefault(entry["name"], {})
+                if partitioned and entry.get("expert"):
+                    continue  # per element, from the expert states files; the group's scalars (step) stay
                 if partitioned:
                     parts = []
                     for payload, name in zip(payloads, names):

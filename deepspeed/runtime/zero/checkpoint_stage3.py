@@ -30,18 +30,21 @@ from deepspeed.runtime.zero.partition_parameters import write_shard_from_full
 
 
 def describe_zero3_layout(stage, name_of):
-    """Plain-Python description of a stage-3 layout (rank included): what resharding needs."""
+    """Plain-Python description of a stage-3 layout (rank included): what resharding needs. A parameter sharded
+    over its expert-data-parallel group (an expert of expert-parallel size > 1) is marked ``expert``."""
     layout = stage.layout
     params = []
     for param in stage.module.parameters():
         slot = layout.slots[param]
-        params.append(
-            dict(name=name_of[param],
-                 shape=list(param.ds_shape),
-                 numel=int(param.ds_numel),
-                 shard=slot.shard,
-                 group=slot.group,
-                 part_offset=slot.part_offset))
+        entry = dict(name=name_of[param],
+                     shape=list(param.ds_shape),
+                     numel=int(param.ds_numel),
+                     shard=slot.shard,
+                     group=slot.group,
+                     part_offset=slot.part_offset)
+        if param in stage._expert_specs:  # sharded over its expert-data-parallel group; differs by ep rank
+            entry["expert"] = True
+        params.append(entry)
     return dict(world_size=layout.world_size,
                 rank=layout.rank,
                 num_groups=layout.num_groups,
@@ -53,7 +56,7 @@ def describe_zero3_layout(stage, name_of):
 def write_shard(layout, param, value, out):
     """Write this rank's shard of the full ``value`` of ``param`` into ``out`` (a group partition); padding 0."""
     slot = layout.slots[param]
-    start = layout.rank * slot.shard
+    start = slot.rank * slot.shard
     take = max(0, min(param.ds_numel - start, slot.shard))
     target = out.narrow(0, slot.part_offset, slot.shard)
     target.zero_()

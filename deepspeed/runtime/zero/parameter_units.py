@@ -13,7 +13,8 @@ modules (tied weights) goes to the root unit. Small parameters
 is gathered once and never released.
 
 Leaf modules (``deepspeed.utils.set_z3_leaf_modules``: a mixture-of-experts block). The
-whole subtree of a leaf is one unit rooted at the leaf, whatever its size, small
+whole subtree of a leaf is one unit rooted at the leaf (one per group when it holds experts
+partitioned over a group of their own), whatever its size, small
 parameters included (a parameter also registered outside the subtree stays in the root
 unit). Only the leaf gets hooks, none of the modules inside it: the unit is gathered at
 the leaf's forward, whichever experts its router picks, so every rank issues the same
@@ -76,12 +77,15 @@ class ParamUnit:
     ``bwd_hold`` is set while a backward visit still needs the unit.
     """
 
-    def __init__(self, index, root, params, world_size, persistent=False):
+    def __init__(self, index, root, params, world_size, persistent=False, spec=None):
         self.index = index
         self.root = root
         self.params = params
         self.persistent = persistent
         self.world_size = world_size
+        # the ReductionSpec of an expert unit (partitioned and gathered over its expert-data-parallel group, of
+        # ``world_size`` ranks); None: the stage's group
+        self.spec = spec
         self.shards = [p.ds_shard_numel for p in params]
         self.columns = []
         column = 0
@@ -116,9 +120,14 @@ class UnitCoordinator:
         self.pipeline = pipeline
         self.group = group
         self.device = device
-        self.world_size = units[0].world_size if units else 1
+        self.world_size = next((u.world_size for u in units if u.spec is None), 1)  # the stage's group's
         # the wire and the group of each gather, per phase (ZeRO++: qwZ, hpZ's secondary shard)
         self.fetch = fetch if fetch is not None else UnitFetchPlan(group, self.world_size)
+        # expert units gather over their expert-data-parallel group, rows as they are (ZeRO++ is refused with them)
+        self._expert_fetch = {}
+        for unit in units:
+            if unit.spec is not None and unit.spec.name not in self._expert_fetch:
+                self._expert_fetch[unit.spec.name] = UnitFetchPlan(unit.spec.group, unit.world_size)
         self._handles = []
         self._trace = []  # unit order of the first forward, for prefetching
         self._tracing = True
@@ -138,7 +147,10 @@ class UnitCoordinator:
     # ----------------------------------------------------------------- hooks
     def _install_hooks(self):
         unit_of_param = self._unit_of_param
-        leaf_units = {u.leaf: u for u in self.units if u.leaf is not None}
+        leaf_units = {}  # leaf -> its units (one, or one per group when experts of their own group are inside)
+        for unit in self.units:
+            if unit.leaf is not None:
+                leaf_units.setdefault(unit.leaf, []).append(unit)
         inside_leaf = {sub for leaf in leaf_units for sub in leaf.modules() if sub is not leaf}
         self._module_units = {}
         for module in self.module.modules():
@@ -257,7 +269,7 @@ class UnitCoordinator:
         else:
             self.gather(unit)
 
-    def _leaf_inputs(self, unit, module, args, kwargs):
+    def _leaf_inputs(self, units, module, args, kwargs):
         # The leaf's backward is over once the gradient of every input that needs one is complete: a
         # pre-hook on the input's grad_fn (the node that takes that gradient) fires then, after every
         # module inside the leaf ran its backward, at the same point on every rank. The held bucket
@@ -276,14 +288,15 @@ class UnitCoordinator:
         if not inputs:
             return None  # nothing marks the end of its backward: the epilogue completes the unit
         remaining = {}  # graph task -> inputs whose gradient is not complete yet
-        pipeline, index, count = self.pipeline, unit.index, len(inputs)
+        pipeline, indices, count = self.pipeline, [unit.index for unit in units], len(inputs)
 
         def input_done(*_):
             task = torch._C._current_graph_task_id()
             left = remaining.get(task, count) - 1
             remaining[task] = left
             if left == 0:
-                pipeline.release_hold(index)
+                for index in indices:
+                    pipeline.release_hold(index)
             return None
 
         for tensor in inputs:
@@ -450,31 +463,36 @@ class UnitCoordinator:
         """
         full = unit._full
         if full is None:
-            total = sum(self.world_size * s for s in unit.shards)
+            world = unit.world_size
+            total = sum(world * s for s in unit.shards)
             full = unit._full = torch.empty(total, dtype=dtype, device=self.device)
             unit._views = []
             at = 0
             for param, s in zip(unit.params, unit.shards):
-                padded = full.narrow(0, at, self.world_size * s)
-                unit._views.append((padded.view(self.world_size, s), padded[:param.ds_numel].view(param.ds_shape)))
-                at += self.world_size * s
+                padded = full.narrow(0, at, world * s)
+                unit._views.append((padded.view(world, s), padded[:param.ds_numel].view(param.ds_shape)))
+                at += world * s
         elif full.untyped_storage().size() == 0:
             full.untyped_storage().resize_(full.numel() * full.element_size())
         return full, unit._views
 
+    def _fetch_of(self, unit):
+        return self.fetch if unit.spec is None else self._expert_fetch[unit.spec.name]
+
     def _launch_gather(self, unit, backward=False):
-        if self.world_size == 1:
+        fetch = self._fetch_of(unit)
+        if unit.world_size == 1:
             # On a world of one the unit's row is the whole unit, laid out as the gathered storage:
             # this rank's shards are cast (or uploaded) straight into it, no collective and no copy-out.
             full, _ = self._storage(unit, self._model_dtype(unit))
             _, ready = self._send_chunk(unit, full)
             unit._gather = (ready, None, False)  # waiting on the copy orders the compute stream after it
-        elif not self.fetch.needs_row(backward, unit.index):  # hpZ: the node group's secondary shards serve
-            unit._gather = self.fetch.launch(None, backward, unit.index)
+        elif not fetch.needs_row(backward, unit.index):  # hpZ: the node group's secondary shards serve
+            unit._gather = fetch.launch(None, backward, unit.index)
         else:
             send, ready = self._send_chunk(unit, None)
             with ready.ordered():  # the all-gather reads ``send`` after its copy; the compute stream does not wait
-                unit._gather = self.fetch.launch(send, backward, unit.index, keep=not unit.persistent)
+                unit._gather = fetch.launch(send, backward, unit.index, keep=not unit.persistent)
         unit.state = UnitState.GATHERING
         for param in unit.params:
             param.ds_status = ZeroParamStatus.INFLIGHT
@@ -490,8 +508,8 @@ class UnitCoordinator:
         dtype = self._model_dtype(unit)
         full, views = self._storage(unit, dtype)
         if buffer is not None:  # rank-major rows -> every parameter's padded block, in one copy
-            rows = self.fetch.finish(buffer, unit.chunk, dtype, keep, unit.index)
-            torch.split_with_sizes_copy(rows.view(self.world_size, unit.chunk),
+            rows = self._fetch_of(unit).finish(buffer, unit.chunk, dtype, keep, unit.index)
+            torch.split_with_sizes_copy(rows.view(unit.world_size, unit.chunk),
                                         unit.shards,
                                         dim=1,
                                         out=[padded for padded, _ in views])
@@ -555,8 +573,15 @@ def _leaf_params(module, wanted):
     return leaves, leaf_of
 
 
-def build_units(module, params, unit_numel, persistence_threshold, world_size, group_of):
-    """Choose the units of ``module`` for the partitioned ``params`` (see the module docstring)."""
+def build_units(module, params, unit_numel, persistence_threshold, world_size, group_of, expert_spec_of=None):
+    """Choose the units of ``module`` for the partitioned ``params`` (see the module docstring).
+
+    ``expert_spec_of(param)``: the ReductionSpec of an expert parameter partitioned over its own
+    (expert-data-parallel) group, else None. A unit holds parameters of one such group only: a group of
+    parameters chosen together is split into one unit per group (dense first, then experts by group name),
+    all with the same root, so the same hooks gather them.
+    """
+    spec_of = expert_spec_of or (lambda p: None)
     wanted = set(params)
     leaves, leaf_of = _leaf_params(module, wanted)
     leaf_roots = set(leaves)
@@ -608,14 +633,32 @@ def build_units(module, params, unit_numel, persistence_threshold, world_size, g
     def by_group(p):
         return (group_of[p], order.get(p, 0))
 
+    def by_spec(ps):
+        """``[(spec, params)]``: the dense parameters, then each expert group's (by name, the same on every rank)."""
+        split = {}
+        for p in ps:
+            spec = spec_of(p)
+            split.setdefault(None if spec is None else spec.name, (spec, []))[1].append(p)
+        return [split[name] for name in sorted(split, key=lambda n: (n is not None, n or ""))]
+
     units = []
-    for i, (root, ps, is_leaf) in enumerate(groups):
-        unit = ParamUnit(i, root, sorted(ps, key=by_group), world_size)
-        unit.leaf = root if is_leaf else None
-        units.append(unit)
-    if persistent:
-        unit = ParamUnit(len(units), module, sorted(persistent, key=by_group), world_size, persistent=True)
-        for param in persistent:
+    for root, ps, is_leaf in groups:
+        for spec, mine in by_spec(ps):  # a leaf's units all gather at its forward and complete with its backward
+            unit = ParamUnit(len(units),
+                             root,
+                             sorted(mine, key=by_group),
+                             world_size if spec is None else spec.world_size,
+                             spec=spec)
+            unit.leaf = root if is_leaf else None
+            units.append(unit)
+    for spec, mine in by_spec(persistent):
+        unit = ParamUnit(len(units),
+                         module,
+                         sorted(mine, key=by_group),
+                         world_size if spec is None else spec.world_size,
+                         persistent=True,
+                         spec=spec)
+        for param in mine:
             param.ds_persist = True
         units.append(unit)
     return units

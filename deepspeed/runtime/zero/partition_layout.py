@@ -150,6 +150,7 @@ class UnitShardSlot:
     group: int  # ``num_groups`` for a frozen parameter (the frozen shards' buffer)
     part_offset: int
     shard: int
+    rank: int = 0  # this rank's index in the group the parameter is sharded over (its unit's)
 
 
 class UnitPartitionLayout:
@@ -178,7 +179,11 @@ class UnitPartitionLayout:
                     segments[-1] = (group, offset, start, length + shard)
                 else:
                     segments.append((g, part_numel[g], column, shard))
-                self.slots[param] = UnitShardSlot(unit=unit.index, group=g, part_offset=part_numel[g], shard=shard)
+                self.slots[param] = UnitShardSlot(unit=unit.index,
+                                                  group=g,
+                                                  part_offset=part_numel[g],
+                                                  shard=shard,
+                                                  rank=rank if unit.spec is None else unit.spec.rank)
                 part_numel[g] += shard
             self.segments.append(segments)
         self.group_part_numel = part_numel[:num_groups]

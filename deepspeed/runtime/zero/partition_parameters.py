@@ -64,6 +64,16 @@ def _dp_world():
     return 1, 0
 
 
+def _param_world(param):
+    """``(world, rank, group)`` a partitioned parameter is sharded over: its own group (an expert parameter of
+    expert-parallel size > 1 on ZeRO-3: its expert-data-parallel group) or the data-parallel world."""
+    world = getattr(param, "ds_partition_world", None)
+    if world is not None:
+        return world, param.ds_partition_rank, param.ds_process_group
+    world, rank = _dp_world()
+    return world, rank, None
+
+
 def shard_numel(numel, world_size):
     return max(1, -(-numel // world_size))
 
@@ -73,8 +83,12 @@ def _empty_like(param):
 
 
 @torch.no_grad()
-def partition_param(param, world_size=None, rank=None, shard_device=None, dtype=None):
-    """Turn ``param`` into a partitioned parameter, keeping this rank's shard. Idempotent."""
+def partition_param(param, world_size=None, rank=None, shard_device=None, dtype=None, group=None, own_group=False):
+    """Turn ``param`` into a partitioned parameter, keeping this rank's shard. Idempotent.
+
+    ``own_group``: the parameter is sharded over a group of its own, ``group`` (``world_size`` ranks, this one
+    ``rank`` in it; None for a group of one), not the data-parallel world (an expert parameter's
+    expert-data-parallel group); gathers and writes of its shard then use that group."""
     if is_zero_param(param):
         return param
     if world_size is None:
@@ -96,6 +110,10 @@ def partition_param(param, world_size=None, rank=None, shard_device=None, dtype=
     param.ds_tensor = piece
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
     param.ds_persist = False
+    if own_group:
+        param.ds_process_group = group
+        param.ds_partition_world = world_size
+        param.ds_partition_rank = rank
     param.ds_active_sub_modules = set()  # upstream's attribute (TRL clears it); the units track use here
     param.data = torch.empty(0, dtype=piece.dtype, device=piece.device)
     # upstream's per-parameter call (the list is its argument, not the parameter); a module function, so a pickled
@@ -121,7 +139,8 @@ def all_gather_coalesced(params, safe_mode=False, quantize=False):
 def gather_param(param, group=None):
     """Make a partitioned parameter whole from every rank's shard (a collective)."""
     import deepspeed.comm as dist
-    world, _ = _dp_world()
+    world, _, own = _param_world(param)
+    group = own if own is not None else group
     shard = param.ds_tensor
     if hasattr(param, "ds_quant_store"):  # quantized frozen shard (ZeRO++): its dequantized values
         shard = param.ds_quant_store.shard_values(param)
@@ -140,7 +159,7 @@ def gather_param(param, group=None):
 @torch.no_grad()
 def write_shard_from_full(param, full):
     """Copy this rank's shard of ``full`` (the whole parameter value) into ``param.ds_tensor``."""
-    world, rank = _dp_world()
+    _, rank, _ = _param_world(param)
     shard = param.ds_shard_numel
     flat = full.reshape(-1)
     start = rank * shard
@@ -440,6 +459,9 @@ class GatheredParameters(contextlib.ContextDecorator):
             if self.modifier_rank is not None and exc[0] is None:
                 _shards_current(self.params)
                 world, _ = _dp_world()
+                if any(getattr(p, "ds_partition_world", None) is not None for p in self.params):
+                    raise NotImplementedError("GatheredParameters(modifier_rank=...) over expert parameters of "
+                                              "expert-parallel size > 1 on ZeRO-3 is not supported")
                 with torch.no_grad():
                     for param in self.params:
                         if world > 1:

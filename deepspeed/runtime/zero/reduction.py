@@ -407,7 +407,8 @@ class UnitGeometry(_Geometry):
 
     def __init__(self, units, part_layout, *, use_reduce_scatter, **common):
         super().__init__(**common)
-        # units are reduced over the dense group only (replicated shards: reduce_replicas)
+        # units are reduced over the dense group, an expert unit over its expert-data-parallel group (its
+        # ``spec``; replicated shards: reduce_replicas)
         self.identity = self.spec.world_size == 1 and not self.offloaded and self.part_device == self.device
         self._use_reduce_scatter = use_reduce_scatter
         self.units = units
@@ -416,7 +417,7 @@ class UnitGeometry(_Geometry):
         num_groups = len(self.grad_parts)
         self.buckets = []
         for unit in units:
-            bucket = GradBucket(unit.index)
+            bucket = GradBucket(unit.index, spec=unit.spec)
             for param, column, shard in zip(unit.params, unit.columns, unit.shards):
                 if param.requires_grad and part_layout.slots[param].group < num_groups:
                     bucket.slots.append(GradSlot(param, bucket, column, param.ds_numel, param.ds_shape, shard=shard))
@@ -459,7 +460,7 @@ class UnitGeometry(_Geometry):
         return grads, buffers + ([kept] if kept is not None else [])
 
     def _rows(self, bucket):
-        return bucket.staging.view(self.world_size, -1)
+        return bucket.staging.view(self.units[bucket.index].world_size, -1)
 
     def _every_column(self, bucket, slots):
         return slots is bucket.slots and len(slots) == len(self.units[bucket.index].params)
@@ -481,9 +482,8 @@ class UnitGeometry(_Geometry):
         every = self._every_column(bucket, slots)
         if fresh:
             alloc = torch.empty if every else torch.zeros
-            bucket.staging = alloc(self.world_size * self.units[bucket.index].chunk,
-                                   dtype=self.accum_dtype,
-                                   device=self.device)
+            unit = self.units[bucket.index]
+            bucket.staging = alloc(unit.world_size * unit.chunk, dtype=self.accum_dtype, device=self.device)
         rows = self._rows(bucket)
         if every:
             grad_ops.chunk_into(grads, rows, factor, accumulate=not fresh)
@@ -496,7 +496,7 @@ class UnitGeometry(_Geometry):
         return self.grad_parts[ps.group].narrow(0, ps.part_offset, slot.numel).view(slot.shape)
 
     def _add_rows(self, rows, slot, grad, factor):
-        world = self.world_size
+        world = rows.shape[0]
         flat = grad.reshape(-1)
         if flat.numel() != world * slot.shard:
             flat = F.pad(flat, (0, world * slot.shard - flat.numel()))
@@ -506,10 +506,10 @@ class UnitGeometry(_Geometry):
         index = slot.bucket.index
         buf = store.get(index)
         if buf is None:
-            buf = store[index] = torch.zeros(self.world_size * self.units[index].chunk,
+            buf = store[index] = torch.zeros(self.units[index].world_size * self.units[index].chunk,
                                              dtype=self.accum_dtype,
                                              device=self.device)
-        self._add_rows(buf.view(self.world_size, -1), slot, grad, factor)
+        self._add_rows(buf.view(self.units[index].world_size, -1), slot, grad, factor)
 
     def launch(self, bucket, own, late):
         if self.identity or not bucket.slots:
@@ -518,10 +518,11 @@ class UnitGeometry(_Geometry):
             staged, bucket.staging = bucket.staging, None
         else:
             staged = late
-        chunk = self.units[bucket.index].chunk
+        unit = self.units[bucket.index]
+        chunk = unit.chunk
         if staged is None:
-            staged = torch.zeros(self.world_size * chunk, dtype=self.accum_dtype, device=self.device)
-        work, out = self._reduce(_comm_cast(staged, self.comm_dtype), chunk, self.spec)
+            staged = torch.zeros(unit.world_size * chunk, dtype=self.accum_dtype, device=self.device)
+        work, out = self._reduce(_comm_cast(staged, self.comm_dtype), chunk, bucket.spec)
         return Flight(bucket, work, out, None, own)
 
     def fold(self, flight):

@@ -13,6 +13,14 @@ drops its backward hold and is reduce-scattered (in fixed unit order, once all l
 units were) into the rank's gradient partitions. Every backward reduces, so no stale
 partition outlives its window and a parameter unused in a step contributes exactly zero.
 
+Expert parameters of expert-parallel size > 1 (``deepspeed.moe`` with ``ep_size > 1``, AutoEP) differ
+across expert-parallel ranks: each is sharded over its expert-data-parallel group (its
+:class:`~deepspeed.runtime.zero.reduction_spec.ReductionSpec`, from ``deepspeed.utils.groups``), in units of
+its own (``build_units`` never mixes groups), gathered and reduce-scattered over that group with the spec's
+factor, so the optimizer-visible gradient stays the mean over the global batch. The partitions of all ranks
+still cover every parameter of the model once, so the norm and the non-finite verdict, summed over the
+data-parallel group, count every expert once. Offload, ZenFlow and ZeRO++ refuse them by name.
+
 The step side. Each optimizer param group's partition on a rank is the concatenation, in
 unit order, of that group's parameter shards (``UnitPartitionLayout``); the 16-bit shards
 (kept with optimizer or parameter offload; ``param.ds_tensor`` are views of them), the
@@ -69,17 +77,16 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         super().__init__(config, optimizer, clock, device=device, group=group, reduction=reduction)
         check_optimizer(config, optimizer)
         # Experts of expert-parallel size 1 are held by every rank of the dense group: they are sharded and reduced
-        # like dense parameters. Larger sizes would need units partitioned over their expert-data-parallel group.
-        sizes = {
-            getattr(p, "group_name", None)
-            for g in optimizer.param_groups
-            for p in g["params"] if not getattr(p, "allreduce", True)
+        # like dense parameters. Larger sizes are partitioned, gathered and reduced over their expert-data-parallel
+        # group (their ReductionSpec), in units of their own.
+        # (frozen experts too: their shards differ by expert-parallel rank like the trained ones')
+        self._expert_specs = {
+            p: self.reduction.spec_of(p)
+            for p in module.parameters()
+            if not getattr(p, "allreduce", True) and getattr(p, "group_name", None) != EXPERT_GROUP_PREFIX + "1"
         }
-        if sizes - {EXPERT_GROUP_PREFIX + "1"}:
-            raise NotImplementedError(f"expert parameters (deepspeed.moe, AutoEP) of expert-parallel groups "
-                                      f"{sorted(sizes - {EXPERT_GROUP_PREFIX + '1'})} on ZeRO stage 3 are not "
-                                      f"supported: stage 3 shards every parameter over all data-parallel ranks; use "
-                                      f"expert-parallel size 1, or ZeRO stage 0, 1 or 2 (see docs/moe.md)")
+        if self._expert_specs:
+            check_expert_support(config, sorted({spec.name for spec in self._expert_specs.values()}))
         self.module = module
         world, rank = self.world_size, self.rank
         model_dtype = config.model_dtype
@@ -92,16 +99,32 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         all_params = list(module.parameters())
         with torch.no_grad():
             for p in all_params:
+                spec = self._expert_specs.get(p)
+                if is_zero_param(p) and spec is not None and getattr(p, "ds_partition_world", None) is None:
+                    raise NotImplementedError(
+                        "expert parameters of expert-parallel size > 1 created under deepspeed.zero.Init are not "
+                        "supported on ZeRO stage 3 (they are partitioned over every data-parallel rank); build the "
+                        "MoE layer outside zero.Init (see docs/moe.md)")
                 if not is_zero_param(p):
-                    partition_param(p, world, rank, shard_device=self.param_device, dtype=model_dtype)
+                    partition_param(p,
+                                    world if spec is None else spec.world_size,
+                                    rank if spec is None else spec.rank,
+                                    shard_device=self.param_device,
+                                    dtype=model_dtype,
+                                    group=None if spec is None else spec.group,
+                                    own_group=spec is not None)
                 elif hasattr(p, "ds_quant_store"):  # quantized frozen by an earlier engine: its dequantized shard
                     p.ds_tensor = p.ds_quant_store.shard_values(p, model_dtype)
                     del p.ds_quant_store
                 elif p.ds_tensor.dtype != model_dtype:
                     p.ds_tensor = p.ds_tensor.to(model_dtype)
-        units = build_units(module, all_params, config.unit_numel, config.persistence_threshold, world,
-                            {p: group_of.get(p, num_groups)
-                             for p in all_params})
+        units = build_units(module,
+                            all_params,
+                            config.unit_numel,
+                            config.persistence_threshold,
+                            world, {p: group_of.get(p, num_groups)
+                                    for p in all_params},
+                            expert_spec_of=self._expert_specs.get)
         self.units = units
         self.layout = layout = UnitPartitionLayout(units, group_of, num_groups, world, rank)
 
@@ -511,13 +534,16 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         return self.layout.shard_view(buffer, param)
 
     def _gather(self, shard, param):
-        world = self.layout.world_size
+        """``param``'s whole value from its shards (a collective over the group it is partitioned over)."""
+        spec = self._expert_specs.get(param)
+        world = self.layout.world_size if spec is None else spec.world_size
+        group = self.group if spec is None else spec.group
         shard = shard.to(self.device, torch.float32)
         if world == 1:
             full = shard
         else:
             full = torch.empty(world * shard.numel(), dtype=torch.float32, device=self.device)
-            dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group)
+            dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
         return full[:param.ds_numel].view(param.ds_shape)
 
     def _group(self, param):
@@ -533,8 +559,9 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         return self._gather(self._shard_of(self.grad_parts[g], param), param)
 
     def local_range(self, param):
-        shard = self.layout.slots[param].shard
-        start = min(self.rank * shard, param.ds_numel)
+        slot = self.layout.slots[param]
+        shard = slot.shard
+        start = min(slot.rank * shard, param.ds_numel)
         return start, max(0, min(param.ds_numel - start, shard))
 
     def local_grad(self, param):
@@ -573,8 +600,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         return self._shard_of(self.masters[self._group(param)].data, param)
 
     def _write(self, buffer, param, value):
-        rank = self.layout.rank
         slot = self.layout.slots[param]
+        rank = slot.rank
         flat = value.reshape(-1)
         start = rank * slot.shard
         take = max(0, min(param.ds_numel - start, slot.shard))
@@ -620,6 +647,27 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         for name, buffer in self.module.named_buffers():
             state[name] = buffer.detach().cpu()
         return state
+
+
+def check_expert_support(config, group_names):
+    """Raise where expert parameters of expert-parallel size > 1 (of the expert groups ``group_names``) meet a
+    stage-3 feature that does not take them; ``config`` a StageConfig (AutoEP checks before any collective)."""
+    zeropp = config.zeropp
+    unsupported = [
+        ("offload_optimizer", config.offload_optimizer),
+        ("offload_param", config.offload_param),
+        ("zenflow", config.zenflow is not None),
+        ("zero_quantized_weights", zeropp.quantized_weights),
+        ("zero_quantized_gradients", zeropp.quantized_gradients),
+        ("zero_hpz_partition_size", zeropp.hpz_partition_size > 1),
+        ("zero_quantized_nontrainable_weights", zeropp.quantized_nontrainable_weights),
+    ]
+    keys = [key for key, on in unsupported if on]
+    if keys:
+        raise NotImplementedError(
+            f"zero_optimization.{', zero_optimization.'.join(keys)} with expert parameters of "
+            f"expert-parallel groups {group_names} on ZeRO stage 3 is not supported; use expert-parallel "
+            f"size 1 or leave these keys off (see docs/moe.md)")
 
 
 # The class of the optimizer deepspeed.initialize returns for stage 3 (what isinstance checks see).

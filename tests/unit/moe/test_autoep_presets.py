@@ -305,13 +305,15 @@ def _run_cells(cells):
     return out
 
 
-# (preset, stage, ep, gas, dtype, offload, routing keys): every preset, stages 0-2, ep 1/2/4, GAS 1/4, fp32 and
+# (preset, stage, ep, gas, dtype, offload, routing keys): every preset, stages 0-3, ep 1/2/4, GAS 1/4, fp32 and
 # bf16, the optimizer offloaded, routing keys (the auxiliary loss of Mixtral, Qwen3 and Qwen3.5 included)
 CELLS_2 = [("qwen3_moe", 2, 1, 1, "fp32", False, False), ("deepseek_v3", 2, 2, 4, "fp32", False, False),
            ("deepseek_v3", 3, 1, 4, "fp32", False, False), ("qwen3_5_moe", 3, 1, 1, "bf16", True, False),
            ("qwen3_5_moe", 1, 2, 1, "bf16", True, False), ("deepseek_v2", 0, 1, 1, "fp32", False, True),
-           ("deepseek_v3", 1, 2, 1, "fp32", False, True)]
-CELLS_4 = [("mixtral", 1, 4, 1, "fp32", False, False), ("deepseek_v2", 2, 4, 1, "fp32", False, False)]
+           ("deepseek_v3", 1, 2, 1, "fp32", False, True), ("deepseek_v3", 3, 2, 4, "fp32", False, True)]
+# ZeRO-3 at ep 2 on world 4: the experts sharded over their expert-data-parallel group of two ranks
+CELLS_4 = [("mixtral", 1, 4, 1, "fp32", False, False), ("deepseek_v2", 2, 4, 1, "fp32", False, False),
+           ("qwen3_5_moe", 3, 2, 1, "bf16", False, False)]
 
 
 def _random_shape(seed):
@@ -322,6 +324,7 @@ def _random_shape(seed):
 
 
 CELLS_2.append(("qwen3_5_moe", 2, 2, 1, "fp32", False, False, _random_shape(40)))  # 6 experts (3 per rank), top-4
+CELLS_4.append(("mixtral", 3, 2, 1, "fp32", False, False, _random_shape(45)))  # ZeRO-3: 8 experts (4 per rank), top-3
 
 
 def test_presets_world2():
@@ -406,7 +409,7 @@ def _non_finite_on_one_rank(stage, offload):
     return skipped, same, applied, moved
 
 
-@pytest.mark.parametrize("stage, offload", [(2, False), (1, True)])
+@pytest.mark.parametrize("stage, offload", [(2, False), (1, True), (3, False)])
 def test_non_finite_expert_gradient_on_one_rank_skips_everywhere(stage, offload):
     results = run_distributed(_non_finite_on_one_rank, 2, args=(stage, offload), timeout=T)
     assert results == [((True, 1), True, True, True)] * 2, results

@@ -4,9 +4,10 @@
 A run trains, saves, and trains on; a fresh engine (other initial weights) loads the checkpoint
 and trains the same steps: its losses and every parameter (read with safe_get_full_fp32_param,
 expert parameters on their own rank) must equal the first run's continuation exactly. The
-MoE layer at ep 2 on ZeRO 0 and 2, AutoEP on a tiny Mixtral on ZeRO 1, Adam (so that the optimizer
-state matters). Resharding: saved at ep 2 (world 4), a full load at ep 1 and at ep 4 continues as
-the saving run did (losses and every expert, wherever it now lives). A ZeRO-0 checkpoint (the
+MoE layer at ep 2 on ZeRO 0 and 2, AutoEP on a tiny Mixtral on ZeRO 1, both also on ZeRO-3 at ep 2,
+Adam (so that the optimizer state matters). Resharding: saved at ep 2 (world 4), a full load at ep 1
+and at ep 4, and between ZeRO-3 and ZeRO 1, continues as the saving run did (losses and every expert,
+wherever it now lives). A ZeRO-0 checkpoint (the
 optimizer state of rank 0's experts only) loads at another size with the module only; a full load
 raises on every rank.
 """
@@ -95,7 +96,8 @@ def _resume(kind, stage, ep, directory):
     return got_losses == want_losses, bad, files
 
 
-@pytest.mark.parametrize("kind, stage, ep", [("moe", 0, 2), ("moe", 2, 2), ("autoep", 1, 2), ("autoep", 3, 1)])
+@pytest.mark.parametrize("kind, stage, ep", [("moe", 0, 2), ("moe", 2, 2), ("autoep", 1, 2), ("autoep", 3, 1),
+                                             ("moe", 3, 2), ("autoep", 3, 2)])
 def test_resume_is_exact(kind, stage, ep, tmp_path):
     results = run_distributed(_resume, 2, args=(kind, stage, ep, str(tmp_path)), timeout=T)
     for same_losses, bad, files in results:
@@ -161,13 +163,15 @@ def _rank_values(engine):
 
 
 def _reshard_cells(directory):
-    return _reshard("moe", 2, os.path.join(directory, "moe")) + _reshard(
-        "autoep", 1, os.path.join(directory, "ep"), ((1, None), (4, None), (1, 3)))
+    return (_reshard("moe", 2, os.path.join(directory, "moe")) + _reshard("autoep", 1, os.path.join(directory, "ep"),
+                                                                          ((1, None), (4, None), (1, 3), (2, 3))) +
+            _reshard("autoep", 3, os.path.join(directory, "z3"), ((4, None), (2, 1))))
 
 
 def test_reshard_across_expert_parallel_sizes(tmp_path):
     """The MoE layer on ZeRO 2 and AutoEP (Mixtral) on ZeRO 1, Adam, world 4: saved at ep 2, loaded at 1 and 4 (AutoEP
-    also into ZeRO-3 at ep 1)."""
+    also into ZeRO-3 at ep 1 and 2); AutoEP saved on ZeRO-3 at ep 2 (experts sharded over their expert-data-parallel
+    group), loaded on ZeRO-3 at ep 4 and on ZeRO 1 at ep 2."""
     assert run_distributed(_reshard_cells, 4, args=(str(tmp_path), ), timeout=T) == [[]] * 4
 
 

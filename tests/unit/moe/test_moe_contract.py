@@ -218,6 +218,10 @@ def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer, offload=False):
         # bf16 masters' uploads run in the pipelined host step (fp32 models step on torch's kernels by default)
         assert stage_impl.host_step is not None and (dtype_name == "fp32" or stage_impl._pipelined())
     assert model.moe.global_expert_indices == _local_experts(rank, ep)
+    if stage == 3:  # experts sharded over their expert-data-parallel group (world / ep ranks), the rest over all
+        for name, p in model.named_parameters():
+            over = world // ep if ".deepspeed_experts." in name else world
+            assert p.ds_shard_numel == -(-p.ds_numel // over), (name, p.ds_shard_numel, over)
     data = _data(world, gas)
     got = None
     for micro in range(gas):
@@ -227,6 +231,14 @@ def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer, offload=False):
             got = _engine_grads(engine, model, ep)
         engine.step()
     norm = float(engine.get_global_grad_norm())  # of the whole gradient: every rank's experts counted once
+    held = []
+    if stage == 3:  # GatheredParameters gathers an expert over its group: this rank's experts' values (lr 0)
+        engine.empty_partition_cache()  # persistent units too: the gathers below are GatheredParameters' own
+        for local, e in enumerate(_local_experts(rank, ep)):
+            expert = model.moe.deepspeed_moe.experts.deepspeed_experts[local]
+            with deepspeed.zero.GatheredParameters(list(expert.parameters())):
+                held += [(e, p.detach().float().clone(), v.to(dtype).float())
+                         for p, v in zip(expert.parameters(), _expert_values(e))]
     engine.destroy()
     want, empty_seen = _reference(world, gas, k, dtype) if dtype_name == "fp32" else _reference_bf16(world, gas, k)
     tol = 1e-5 if dtype_name == "fp32" else 2e-2
@@ -244,6 +256,7 @@ def _run_cell(stage, dtype_name, gas, ep, k, client_optimizer, offload=False):
     ref_norm = float(torch.cat([w.reshape(-1) for w in want.values()]).norm())
     if not abs(norm - ref_norm) <= (1e-5 if dtype_name == "fp32" else 2e-2) * ref_norm:
         bad.append(f"global grad norm {norm} vs {ref_norm}")
+    bad += [f"gathered expert {e}" for e, got_value, value in held if not torch.equal(got_value, value)]
     assert empty_seen
     return bad
 
@@ -269,21 +282,27 @@ def _cells(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_contract(world):
-    # ZeRO-3 holds experts of expert-parallel size 1 (every rank holds every expert): sharded like dense parameters
-    stage3 = [(3, "fp32", 4, 1, 2, None),
-              (3, "bf16", 1, 1, 1, "split")] if world == 2 else [(3, "fp32", 1, 1, 1, None)]
+    # ZeRO-3 holds experts of expert-parallel size 1 (every rank holds every expert) sharded like dense parameters,
+    # and experts of size 2 sharded over their expert-data-parallel group (one rank at world 2, two at world 4)
+    stage3 = [(3, "fp32", 4, 1, 2, None), (3, "bf16", 1, 1, 1, "split"), (3, "fp32", 4, 2, 2, None),
+              (3, "bf16", 1, 2, 1, "split")] if world == 2 else [(3, "fp32", 1, 1, 1, None),
+                                                                 (3, "fp32", 4, 2, 2, "mixed"),
+                                                                 (3, "bf16", 1, 2, 1, None)]
     failures = run_distributed(_run_cells, world, args=(_cells(world) + stage3, ), timeout=T)
     assert failures == [[]] * world, failures[0]
 
 
-def _stage3():
+def _stage3_offload(key):
     import deepspeed
     model = Net(2, 1)
+    zero = {"stage": 3}
+    if key == "offload_optimizer":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    else:
+        zero["zero_hpz_partition_size"] = 2
     config = {
         "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {
-            "stage": 3
-        },
+        "zero_optimization": zero,
         "optimizer": {
             "type": "SGD",
             "params": {
@@ -294,12 +313,14 @@ def _stage3():
     try:
         deepspeed.initialize(model=model, config=config)
     except NotImplementedError as err:
-        return "stage 3" in str(err)
+        return f"zero_optimization.{key}" in str(err) and "stage 3" in str(err)
     return False
 
 
-def test_stage3_errors_on_every_rank():
-    assert run_distributed(_stage3, 2, timeout=T) == [True, True]
+@pytest.mark.parametrize("key", ["offload_optimizer", "zero_hpz_partition_size"])
+def test_stage3_expert_refusals_on_every_rank(key):
+    """Experts of expert-parallel size > 1 on ZeRO-3 with what does not take them yet: refused by name, every rank."""
+    assert run_distributed(_stage3_offload, 2, args=(key, ), timeout=T) == [True, True]
 
 
 def test_moe_contract_offload():
