@@ -17,23 +17,31 @@ spans every stage, counting a tied weight once.
 
 Upstream's engine state that downstream code reads is kept under its names (``pipe_buffers``, ``fwd_outputs``,
 ``micro_batches``, ``loss``, ``total_loss``, ``agg_train_loss``, ``grid``, ``num_stages``, ``stage_id``, ...).
+
+This file holds the construction, the queries and ``train_batch``/``eval_batch``; the engine's other parts are
+mixins beside it: ``engine_instructions`` (the interpreter and the computation instructions),
+``engine_transfers`` (the transfer instructions and their exchange queue), ``engine_batch`` (the data iterator
+and the loss reduction) and ``engine_checkpoint`` (the checkpoint hooks).
 """
 
 import inspect
 from collections import OrderedDict
-from types import MethodType
 
 import torch
 
 import deepspeed.comm as dist
 from deepspeed.comm.peer_failure import guarded
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
-from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.config import DeepSpeedConfig
-from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.batch_data import BatchData
+from deepspeed.runtime.pipe.engine_batch import BATCH_INPUT_TIMER, TRAIN_BATCH_TIMER, BatchMixin  # noqa: F401
+from deepspeed.runtime.pipe.engine_checkpoint import CheckpointMixin
+from deepspeed.runtime.pipe.engine_instructions import InstructionsMixin
+from deepspeed.runtime.pipe.engine_transfers import (  # noqa: F401
+    _GROUPED, PIPE_RECV_GRAD_TIMER, PIPE_RECV_INPUT_TIMER, PIPE_SEND_GRAD_TIMER, PIPE_SEND_OUTPUT_TIMER,
+    TENSOR_META_SIZE, TransfersMixin, _Layout, _tensors)
 from deepspeed.runtime.pipe.module import PipelineError, PipelineModule
 from deepspeed.runtime.pipe.schedule_registry import build_schedule, check_schedule_support
 from deepspeed.utils import groups, logger
@@ -43,48 +51,12 @@ TARGET_ID = -2
 LOG_STAGE = -2
 DATA_PARALLEL_ID = -2
 
-BATCH_INPUT_TIMER = "batch_input"
-TRAIN_BATCH_TIMER = "train_batch"
-PIPE_SEND_OUTPUT_TIMER = "pipe_send_output"
-PIPE_SEND_GRAD_TIMER = "pipe_send_grad"
-PIPE_RECV_INPUT_TIMER = "pipe_recv_input"
-PIPE_RECV_GRAD_TIMER = "pipe_recv_grad"
-
-TENSOR_META_SIZE = 256
-
 
 def is_even(number):
     return number % 2 == 0
 
 
-def _tensors(value, what):
-    """The tensors of a stage's inputs or outputs: a tensor, or a tuple/list of tensors."""
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (tuple, list)) and all(torch.is_tensor(t) for t in value):
-        return list(value)
-    raise PipelineError(f"pipeline {what} must be a tensor or a tuple of tensors, got {type(value).__name__}" +
-                        (f" of {[type(t).__name__ for t in value]}" if isinstance(value, (tuple, list)) else ""))
-
-
-class _Layout:
-    """Where this rank's model chunks sit in the chain of virtual stages (round robin, as the schedules)."""
-
-    def __init__(self, stages, stage_id, chunks):
-        self.stages, self.stage_id, self.chunks = stages, stage_id, chunks
-
-    def virtual_stage(self, chunk):
-        return (chunk or 0) * self.stages + self.stage_id
-
-    def owner(self, virtual_stage):
-        return virtual_stage % self.stages, virtual_stage // self.stages
-
-    @property
-    def last(self):
-        return self.stages * self.chunks - 1
-
-
-class PipelineEngine(DeepSpeedEngine):
+class PipelineEngine(BatchMixin, InstructionsMixin, TransfersMixin, CheckpointMixin, DeepSpeedEngine):
     """A training engine for pipeline (x data) parallelism; see the module docstring."""
 
     pipeline_parallelism = True
@@ -201,13 +173,6 @@ class PipelineEngine(DeepSpeedEngine):
             self.module.activation_checkpoint_interval = pipeline["activation_checkpoint_interval"]
         self.module._precompute_checkpointable_values()
 
-    def _build_data_iter(self, dataset):
-        sampler = torch.utils.data.distributed.DistributedSampler(dataset,
-                                                                  num_replicas=self.dp_world_size,
-                                                                  rank=self.mpu.get_data_parallel_rank(),
-                                                                  shuffle=False)
-        self.set_dataloader(RepeatingLoader(self.deepspeed_io(dataset, data_sampler=sampler)))
-
     def _build_optimizer(self, client_optimizer, model_parameters):
         """As every engine's, except that a stage without trainable parameters (a parameterless layer, frozen
         layers) gets an optimizer without parameters where a torch optimizer would refuse an empty list: every
@@ -276,30 +241,6 @@ class PipelineEngine(DeepSpeedEngine):
         self._config.gradient_accumulation_steps = gas
         self.window.gas = gas
         self.micro_batches = gas
-
-    # ------------------------------------------------------------------ data
-    def set_dataloader(self, loader):
-        if self.is_first_stage() or self.is_last_stage():
-            self.training_dataloader = loader
-            self.data_iterator = iter(self.training_dataloader)
-
-    def set_dataiterator(self, iterator):
-        """Store an iterator to sample for training data (read by the first and last stages)."""
-        if self.is_first_stage() or self.is_last_stage():
-            self.training_dataloader = None
-            self.data_iterator = iterator
-
-    def set_batch_fn(self, fn):
-        """A function applied to every batch drawn from the data iterator."""
-        self.batch_fn = fn
-
-    def _next_batch(self):
-        batch = None
-        if self.data_iterator is not None:
-            batch = next(self.data_iterator)
-        if self.batch_fn:
-            batch = self.batch_fn(batch)
-        return batch
 
     # ------------------------------------------------------------------ the batch
     def _train_schedule(self):
@@ -383,375 +324,6 @@ class PipelineEngine(DeepSpeedEngine):
             return eval_output, outputs
         return eval_output
 
-    def _discard_batch(self):
-        """A batch that raised leaves nothing behind: no half-accumulated window, no buffers, no queued transfer
-        (the next ``train_batch`` starts clean on every stage, whichever stage failed where)."""
-        self._exchange, self._in_group = None, False
-        self._received_grads.clear()
-        self._buffer_losses.clear()
-        self._split_backwards.clear()
-        for key in self.pipe_buffers:
-            self.pipe_buffers[key] = [None] * len(self.pipe_buffers[key])
-        self.window.boundary_flag = None
-        self.zero_grad()
-
-    def _scale_loss_by_gas(self, prescaled_loss, eval_micro_batches=None):
-        gas = eval_micro_batches if eval_micro_batches is not None else self.micro_batches
-        if isinstance(prescaled_loss, torch.Tensor):
-            return prescaled_loss / gas
-        if isinstance(prescaled_loss, (tuple, list)):
-            return [loss / gas if isinstance(loss, torch.Tensor) else loss for loss in prescaled_loss]
-        return prescaled_loss
-
-    def _reduce_outputs(self, outputs, reduce="avg", reduce_dp=True, micro_batches=None):
-        if reduce is None:
-            return outputs
-        if reduce.lower() != "avg":
-            raise NotImplementedError(f"reduction type {reduce} not supported.")
-        if torch.is_tensor(outputs[0]):
-            reduced = sum(outputs)
-        else:
-            reduced = [sum(out[i] for out in outputs) for i in range(len(outputs[0]))]
-        reduced = self._scale_loss_by_gas(reduced, eval_micro_batches=micro_batches)
-        if reduce_dp and self.is_data_parallel:
-            for tensor in ([reduced] if torch.is_tensor(reduced) else reduced):
-                dist.all_reduce(tensor, group=self.mpu.get_data_parallel_group())
-                tensor /= self.dp_world_size
-        return reduced
-
-    def _bcast_pipe_scalar(self, data, src_rank=None, dtype=torch.float32):
-        src_rank = self._loss_stage_global_rank() if src_rank is None else src_rank
-        if self.global_rank == src_rank:
-            result = data.clone().detach().type(dtype).to(self.device)
-        else:
-            result = torch.tensor([0.0], dtype=dtype, device=self.device)
-        if self.is_pipe_parallel:
-            result = result.reshape(1) if result.dim() == 0 and self.global_rank != src_rank else result
-            if self.global_rank == src_rank:
-                result = result.reshape(1)
-            dist.broadcast(tensor=result, src=src_rank, group=self.mpu.get_pipe_parallel_group())
-            result = result.reshape(())
-        return result
-
-    def _aggregate_total_loss(self):
-        """The batch's mean loss over micro-batches and data-parallel replicas, on every stage (from the last)."""
-        if self.is_last_stage():
-            loss = self._scale_loss_by_gas(self.total_loss)
-            self.agg_additional_losses = self.total_additional_losses
-            if self.agg_additional_losses is not None:
-                self.agg_additional_losses = OrderedDict((name, self._scale_loss_by_gas(value.clone().detach()))
-                                                         for name, value in self.agg_additional_losses.items())
-            self.dp_group_loss = loss.clone().detach().float()
-            tensors = [self.dp_group_loss.reshape(-1)]
-            extra = list((self.agg_additional_losses or {}).values())
-            tensors += [t.detach().float().reshape(-1) for t in extra]
-            flat = torch.cat(tensors)
-            if self.is_data_parallel:
-                dist.all_reduce(flat, group=self.mpu.get_data_parallel_group())
-                flat /= self.dp_world_size
-            losses = torch.cat([self.dp_group_loss.reshape(-1), flat])
-            if self.is_pipe_parallel:
-                dist.broadcast(tensor=losses, src=self.global_rank, group=self.mpu.get_pipe_parallel_group())
-        else:
-            extra = self.module.get_additional_losses()
-            count = 2 + (0 if extra is None else len(extra))
-            losses = torch.zeros(count, device=self.device)
-            dist.broadcast(tensor=losses,
-                           src=self._loss_stage_global_rank(),
-                           group=self.grid.get_pipe_parallel_group())
-            self.dp_group_loss = losses[0].clone()
-            if extra is not None:
-                self.agg_additional_losses = OrderedDict(
-                    (name, losses[2 + i].clone()) for i, name in enumerate(extra.keys()))
-        if self.is_last_stage() and self.agg_additional_losses is not None:
-            for i, name in enumerate(list(self.agg_additional_losses)):
-                self.agg_additional_losses[name] = losses[2 + i].clone()
-        return losses[1].clone()
-
-    # ------------------------------------------------------------------ the interpreter
-    def _reserve_pipe_buffers(self, num_buffers):
-        """Make every pipeline buffer list at least ``num_buffers`` long (slots only, no tensors)."""
-        if self.num_pipe_buffers >= num_buffers:
-            return
-        added = num_buffers - self.num_pipe_buffers
-        for key in self.pipe_buffers:
-            self.pipe_buffers[key].extend([None] * added)
-        self.num_pipe_buffers = num_buffers
-
-    def _exec_schedule(self, pipe_schedule):
-        """Run every instruction of ``pipe_schedule`` (see the module docstring)."""
-        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
-        self.fwd_outputs = []
-        self._schedule = pipe_schedule
-        self._batch.start_schedule()
-        self._backward_total = sum(
-            isinstance(cmd, (schedule.BackwardPass, schedule.BackwardWeightPass)) for step in pipe_schedule
-            for cmd in step)
-        self._backward_done = 0
-        try:
-            for step_cmds in pipe_schedule:
-                for cmd in step_cmds:
-                    method = self._INSTRUCTION_MAP.get(type(cmd))
-                    if method is None:
-                        raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {repr(cmd)}")
-                    if method in _GROUPED:  # a transfer of ours: queued with the step's other transfers
-                        self._in_group = True
-                    else:
-                        self._flush_transfers()
-                        if isinstance(cmd, schedule.CommitP2P):
-                            continue
-                    self._exec_instr = MethodType(method, self)
-                    self._exec_instr(**cmd.kwargs)
-                self._flush_transfers()
-        finally:
-            self._in_group = False
-            self._exchange = None
-            self.window.boundary_flag = None
-            self._schedule = None
-            self._batch.end_schedule()
-
-    def _flush_transfers(self):
-        self._in_group = False
-        exchange, self._exchange = self._exchange, None
-        if exchange:
-            exchange.flush()
-
-    def _queue(self):
-        if self._exchange is None:
-            self._exchange = p2p.Exchange(self.device, self._known_headers, self.dynamic_shape, self._transfer_group)
-        return self._exchange
-
-    def _after_queue(self):
-        if not self._in_group:  # called directly (not by the interpreter): a blocking transfer
-            self._flush_transfers()
-
-    # ------------------------------------------------------------------ instructions
-    def _exec_load_micro_batch(self, buffer_id, chunk=None):
-        if self.wall_clock_breakdown():
-            self.timers(BATCH_INPUT_TIMER).start()
-        if self._holds_first(chunk):
-            self.pipe_buffers["inputs"][buffer_id] = self._batch.inputs(self._reentrant_activation_checkpointing())
-        if self._holds_last(chunk):
-            self.pipe_buffers["labels"][buffer_id] = self._batch.labels()
-        if self.wall_clock_breakdown():
-            self.timers(BATCH_INPUT_TIMER).stop()
-
-    def _reentrant_activation_checkpointing(self):
-        """Reentrant checkpointing needs the first stage's floating inputs to require grad."""
-        if self.module.activation_checkpoint_interval <= 0:
-            return False
-        return self.module.activation_checkpoint_func is not ds_checkpointing.non_reentrant_checkpoint
-
-    def _exec_forward_pass(self, buffer_id, chunk=None):
-        self.tput_timer.start()
-        inputs = self.pipe_buffers["inputs"][buffer_id]
-        # A received activation is a leaf that collects its gradient: the forward works on a copy of it, so an
-        # in-place operation of the first layer cannot touch the leaf.
-        if isinstance(inputs, tuple):
-            inputs = tuple(t.clone() if t.requires_grad else t for t in inputs)
-        elif torch.is_tensor(inputs) and inputs.requires_grad:
-            inputs = inputs.clone()
-        if self.module._chunks > 1:
-            self.module.set_active_chunk(chunk or 0)
-        outputs = DeepSpeedEngine.forward(self, inputs)
-        if not self.module.training:
-            ds_checkpointing.reset()
-        self.pipe_buffers["outputs"][buffer_id] = outputs
-        if self._holds_last(chunk):
-            self._compute_last_stage_loss(buffer_id, outputs)
-
-    def _compute_last_stage_loss(self, buffer_id, outputs):
-        if self._compute_loss and self.module.loss_fn is not None:
-            self.loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
-        else:
-            self.loss = outputs  # the model returns its loss
-        self.pipe_buffers["labels"][buffer_id] = None
-        if self.eval_return_logits:
-            self.outputs = outputs
-        if self.module.training:
-            self._buffer_losses[buffer_id] = self.loss
-        detached = self.loss.detach() if torch.is_tensor(self.loss) else [t.detach() for t in self.loss]
-        self.fwd_outputs.append(detached)
-        self.total_loss = _add_loss(self.total_loss, self.loss)
-        additional = self.module.get_additional_losses()
-        if additional is not None:
-            if self.total_additional_losses is None:
-                self.total_additional_losses = OrderedDict()
-            for name, value in additional.items():
-                self.total_additional_losses[name] = _add_loss(self.total_additional_losses.get(name), value)
-
-    def _exec_backward_pass(self, buffer_id, chunk=None):
-        if self.optimizer is None:
-            raise PipelineError("must provide optimizer during init in order to use backward")
-        self._start_backward_call()
-        pipeline = self._stage.pipeline
-        scale = self.loss_scaler.loss_scale
-        if self._holds_last(chunk):
-            loss = self._buffer_losses.pop(buffer_id, None)
-            loss = self.loss if loss is None else loss
-            if not torch.is_tensor(loss) or loss.dim() != 0:
-                raise PipelineError(f"the last stage's loss must be a scalar tensor to run backward, got "
-                                    f"{type(loss).__name__}{list(loss.shape) if torch.is_tensor(loss) else ''}")
-            with self._instruments.backward(loss):
-                roots = [ownership.seed(loss, scale, True, False, "the pipeline's loss (last stage)", pipeline)]
-                _run_backward(roots, None)
-        else:
-            outputs = [t for t in _tensors(self.pipe_buffers["outputs"][buffer_id], "outputs") if t.requires_grad]
-            grads = self._received_grads.pop(buffer_id, None)
-            if grads is None:
-                grads = self.grad_layer if torch.is_tensor(self.grad_layer) else self.grad_layer
-                grads = [grads] if torch.is_tensor(grads) else list(grads or [])
-            if len(grads) != len(outputs):
-                raise PipelineError(f"stage {self.stage_id}: {len(outputs)} outputs require grad but {len(grads)} "
-                                    f"gradients were received")
-            if outputs:
-                with self._instruments.backward(None):
-                    roots = ownership.seed_received(outputs, scale, "the gradient received from the next stage",
-                                                    pipeline)
-                    _run_backward(roots, grads)
-        self.pipe_buffers["outputs"][buffer_id] = None
-        self.pipe_buffers["output_tensors"][buffer_id] = None
-        self._end_backward_call()
-
-    def _backward_roots(self, buffer_id, chunk):
-        """``(roots, root gradients)`` of this buffer's backward: the seeded loss on the last stage, else the outputs
-        that require grad and the gradients received for them."""
-        if self._holds_last(chunk):
-            loss = self._buffer_losses.pop(buffer_id, None)
-            loss = self.loss if loss is None else loss
-            if not torch.is_tensor(loss) or loss.dim() != 0:
-                raise PipelineError(f"the last stage's loss must be a scalar tensor to run backward, got "
-                                    f"{type(loss).__name__}{list(loss.shape) if torch.is_tensor(loss) else ''}")
-            return [loss * self.loss_scaler.loss_scale], None
-        outputs = [t for t in _tensors(self.pipe_buffers["outputs"][buffer_id], "outputs") if t.requires_grad]
-        grads = self._received_grads.pop(buffer_id)
-        if len(grads) != len(outputs):
-            raise PipelineError(f"stage {self.stage_id}: {len(outputs)} outputs require grad but {len(grads)} "
-                                f"gradients were received")
-        return outputs, grads
-
-    def _exec_backward_input_pass(self, buffer_id, chunk=None):
-        """The input-gradient half of the buffer's backward (zero-bubble schedules; ``split_backward``)."""
-        from deepspeed.runtime.pipe.split_backward import SplitBackward
-        roots, grads = self._backward_roots(buffer_id, chunk)
-        inputs = self.pipe_buffers["inputs"][buffer_id]
-        inputs = [] if inputs is None else _tensors(inputs, "inputs")
-        split = SplitBackward(roots, grads, inputs, self._stage.params if self._stage is not None else [])
-        split.input_pass()
-        self._split_backwards[buffer_id] = split
-        self.pipe_buffers["outputs"][buffer_id] = None
-
-    def _exec_backward_weight_pass(self, buffer_id, chunk=None):
-        """The weight-gradient half: the parameters' gradients reach the gradient pipeline through the session."""
-        from deepspeed.runtime.backward.session import Seed
-        split = self._split_backwards.pop(buffer_id)
-        self._start_backward_call()
-        seed = Seed(loss_scale=float(self.loss_scaler.loss_scale), source="a weight-gradient pass (zero bubble)")
-        with self._instruments.backward(None):
-            used = split.weight_pass(seed, self._stage.pipeline)
-        if getattr(self, "_unused_check", None) is not None:
-            self._unused_check.mark(used)
-        self._end_backward_call()
-
-    def _start_backward_call(self):
-        # The stage reduces in the last backward of the batch that reaches its parameters (stages 0 and 1), as
-        # DeepSpeedEngine does in the boundary micro-step; stages 2 and 3 reduce in every backward.
-        self.window.boundary_flag = self._backward_done == self._backward_total - 1
-
-    def _end_backward_call(self):
-        self._backward_done += 1
-        self.window.boundary_flag = False
-
-    def _exec_reduce_tied_grads(self):
-        """Sum the (data-parallel reduced) gradients of tied weights over the stages that hold them."""
-        if self._stage is None:
-            return
-        self._stage.finish_window()
-        trainable = set(self._stage.params)
-        for _, weight, comm in self.module._tied_weights():
-            if weight not in trainable or len(comm["ranks"]) < 2:
-                continue
-            grad = self._stage.full_grad(weight)
-            dist.all_reduce(grad, group=comm["group"])
-            self._stage.set_full_grad(weight, grad)
-
-    def _exec_reduce_grads(self):
-        self._force_grad_boundary = True
-        try:
-            if self.pipeline_enable_backward_allreduce and self._stage is not None:
-                self._stage.finish_window()
-        finally:
-            self._force_grad_boundary = False
-
-    def _exec_optimizer_step(self, lr_kwargs=None):
-        self._force_grad_boundary = True
-        try:
-            if getattr(self, "_unused_check", None) is not None:
-                self._unused_check.check()
-            with self._instruments.step(True):
-                self.window.boundary_flag = True
-                self._take_model_step(lr_kwargs)
-                self.window.micro_steps += self.micro_batches
-                self.window.boundary_flag = None
-        finally:
-            self._force_grad_boundary = False
-        if self.global_rank == 0 and self.monitor.enabled:
-            self.summary_events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
-            if self.fp16_enabled():
-                self.summary_events.append(("Train/Samples/loss_scale", self.get_loss_scale(), self.global_samples))
-            self.monitor.write_events(self.summary_events)
-
-    # ------------------------------------------------------------------ transfers
-    def _peer(self, chunk, towards_next):
-        """The global rank holding the neighbouring model chunk, and that chunk."""
-        vs = self._layout.virtual_stage(chunk)
-        stage, peer_chunk = self._layout.owner(vs + 1 if towards_next else vs - 1)
-        return self.grid.stage_to_global(stage_id=stage), peer_chunk
-
-    def _exec_send_activations(self, buffer_id, chunk=None):
-        value = self.pipe_buffers["outputs"][buffer_id]
-        outputs = _tensors(value, "stage outputs sent to the next stage")
-        dst, peer_chunk = self._peer(chunk, True)
-        self._queue().send(outputs,
-                           dst, ("to", dst, "act", peer_chunk),
-                           with_header=True,
-                           is_tensor=torch.is_tensor(value))
-        self._after_queue()
-
-    def _exec_recv_activations(self, buffer_id, chunk=None):
-        src, _ = self._peer(chunk, False)
-        op = self._queue().recv(src, ("from", src, "act", chunk or 0))
-
-        def received(tensors, op=op):
-            for t, (_, requires_grad, _) in zip(tensors, op.specs):
-                if requires_grad and t.is_floating_point():
-                    t.requires_grad_(True)
-            self.pipe_buffers["inputs"][buffer_id] = tensors[0] if op.is_tensor else tuple(tensors)
-
-        op.then = received
-        self._after_queue()
-
-    def _exec_send_grads(self, buffer_id, chunk=None):
-        inputs = _tensors(self.pipe_buffers["inputs"][buffer_id], "stage inputs")
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.requires_grad]
-        dst, peer_chunk = self._peer(chunk, False)
-        self._queue().send(grads, dst, ("to", dst, "grad", peer_chunk), with_header=False)
-        self.pipe_buffers["inputs"][buffer_id] = None
-        self._after_queue()
-
-    def _exec_recv_grads(self, buffer_id, chunk=None):
-        outputs = [t for t in _tensors(self.pipe_buffers["outputs"][buffer_id], "stage outputs") if t.requires_grad]
-        src, _ = self._peer(chunk, True)
-        op = self._queue().recv(src, (src, "grad", chunk or 0),
-                                specs=[(t.dtype, False, tuple(t.shape)) for t in outputs])
-
-        def received(tensors):
-            self._received_grads[buffer_id] = tensors
-            self.grad_layer = tensors
-
-        op.then = received
-        self._after_queue()
-
     # ------------------------------------------------------------------ upstream's helpers
     def _allocate_zeros(self, shape, **kwargs):
         if "dtype" not in kwargs:
@@ -777,27 +349,6 @@ class PipelineEngine(DeepSpeedEngine):
             logger.info(f"RANK={dist.get_rank()} PIPE-ID={self.stage_id} DATA-ID={self.grid.data_parallel_id} :: " +
                         " ".join(str(m) for m in msg))
 
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
-        """Collective: upstream's pipeline layout (per-layer files, per-stage model states, ZeRO files per stage and
-        data-parallel rank); see ``deepspeed/runtime/pipe/checkpoint.py``."""
-        from deepspeed.runtime.pipe import checkpoint
-        return checkpoint.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-
-    def load_checkpoint(self,
-                        load_dir,
-                        tag=None,
-                        load_module_strict=True,
-                        load_optimizer_states=True,
-                        load_lr_scheduler_states=True,
-                        load_module_only=False,
-                        custom_load_fn=None):
-        """Collective: load a pipeline checkpoint (this runtime's or upstream's) into any cut and data-parallel
-        size; returns ``(path, client_state)`` or ``(None, None)``."""
-        from deepspeed.runtime.pipe import checkpoint
-        return checkpoint.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only, custom_load_fn)
-
     # ------------------------------------------------------------------ disabled
     def forward(self, *args, **kwargs):
         """Disabled for pipeline parallel training. See ``train_batch()``."""
@@ -813,26 +364,20 @@ class PipelineEngine(DeepSpeedEngine):
 
     # A map of instruction classes to methods; each runs with the instruction's keyword arguments.
     _INSTRUCTION_MAP = {
-        schedule.OptimizerStep: _exec_optimizer_step,
-        schedule.ReduceGrads: _exec_reduce_grads,
-        schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
-        schedule.LoadMicroBatch: _exec_load_micro_batch,
-        schedule.ForwardPass: _exec_forward_pass,
-        schedule.BackwardPass: _exec_backward_pass,
-        schedule.BackwardInputPass: _exec_backward_input_pass,
-        schedule.BackwardWeightPass: _exec_backward_weight_pass,
-        schedule.SendActivation: _exec_send_activations,
-        schedule.RecvActivation: _exec_recv_activations,
-        schedule.SendGrad: _exec_send_grads,
-        schedule.RecvGrad: _exec_recv_grads,
+        schedule.OptimizerStep: InstructionsMixin._exec_optimizer_step,
+        schedule.ReduceGrads: InstructionsMixin._exec_reduce_grads,
+        schedule.ReduceTiedGrads: InstructionsMixin._exec_reduce_tied_grads,
+        schedule.LoadMicroBatch: InstructionsMixin._exec_load_micro_batch,
+        schedule.ForwardPass: InstructionsMixin._exec_forward_pass,
+        schedule.BackwardPass: InstructionsMixin._exec_backward_pass,
+        schedule.BackwardInputPass: InstructionsMixin._exec_backward_input_pass,
+        schedule.BackwardWeightPass: InstructionsMixin._exec_backward_weight_pass,
+        schedule.SendActivation: TransfersMixin._exec_send_activations,
+        schedule.RecvActivation: TransfersMixin._exec_recv_activations,
+        schedule.SendGrad: TransfersMixin._exec_send_grads,
+        schedule.RecvGrad: TransfersMixin._exec_recv_grads,
         schedule.CommitP2P: lambda self: None,
     }
-
-
-_GROUPED = frozenset({
-    PipelineEngine._exec_send_activations, PipelineEngine._exec_recv_activations, PipelineEngine._exec_send_grads,
-    PipelineEngine._exec_recv_grads
-})
 
 
 def initialize_pipeline(args, model, optimizer, model_parameters, training_data, lr_scheduler, mpu, dist_init_required,
@@ -879,22 +424,6 @@ class _NoParameters(torch.optim.Optimizer):
 
     def step(self, closure=None):
         return None
-
-
-def _add_loss(total, loss):
-    if torch.is_tensor(loss):
-        return loss.detach().clone() if total is None else total + loss.detach()
-    if total is None:
-        return [t.detach().clone() for t in loss]
-    return [a + b.detach() for a, b in zip(total, loss)]
-
-
-def _run_backward(roots, grads):
-    try:
-        torch.autograd.backward(roots, grads)
-    except BaseException:
-        registry.discard_stale_sessions()
-        raise
 
 
 def _check_config(cfg, model, kwargs):
