@@ -23,6 +23,9 @@ import os
 import sys
 
 from deepspeed.checkpoint import constants as C
+from deepspeed.checkpoint.universal_checkpoint import universal_optimizer_state, write_universal
+
+_optimizer_state = universal_optimizer_state  # the name this module gave it before it moved beside write_universal
 
 
 def parse_arguments(argv=None):
@@ -39,30 +42,8 @@ def parse_arguments(argv=None):
     return parser.parse_args(argv)
 
 
-def _optimizer_state(scaler, stage, world):
-    """``zero/optimizer_state.pt`` besides the param groups: the loss scaler and the ZeRO bookkeeping."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    state = scaler.get("loss_scaler") or {}
-    if scaler.get("fp16") and scaler.get("dynamic_loss_scale"):
-        obj = DynamicLossScaler(init_scale=float(state.get("cur_scale", 1.0)))
-        obj.cur_iter = int(state.get("cur_iter", 0))
-        obj.last_overflow_iter = int(state.get("last_overflow_iter", -1))
-        obj.cur_hysteresis = int(state.get("cur_hysteresis", obj.delayed_shift))
-    else:
-        obj = LossScaler(float(state.get("cur_scale", 1.0)) if scaler.get("fp16") else 1.0)
-    return {
-        C.LOSS_SCALER: obj,
-        "dynamic_loss_scale": bool(scaler.get("dynamic_loss_scale")),
-        "overflow": bool(scaler.get("overflow", False)),
-        C.CLIP_GRAD: float(scaler.get("clip_grad", 0.0) or 0.0),
-        C.ZERO_STAGE: int(stage),
-        C.PARTITION_COUNT: int(world),
-    }
-
-
 def convert(input_folder, output_folder, inject_missing_state=False):
     """Write the universal folder of the checkpoint tag ``input_folder`` into ``output_folder``."""
-    from deepspeed.checkpoint.universal_checkpoint import write_universal
     from deepspeed.runtime.checkpoint.saved import SavedCheckpoint
     from deepspeed.runtime.tensor_parallel.checkpoint import merged_full_state
     input_folder = os.path.abspath(input_folder)
@@ -81,7 +62,7 @@ def convert(input_folder, output_folder, inject_missing_state=False):
             full,
             frozen,
             # whole tensors in one model-states file: read back as a stage-1/2 source (by name)
-            _optimizer_state(scaler, min(first.saved_stage, 2), first.world_size or 1),
+            universal_optimizer_state(scaler, min(first.saved_stage, 2), first.world_size or 1),
             [],
             model_states=model_states)
         return
@@ -110,8 +91,8 @@ def convert(input_folder, output_folder, inject_missing_state=False):
         frozen = {n: v for n, v in ckpt["module"].items() if n in frozen_names and n not in trainable}
     model_files = sorted(glob.glob(os.path.join(input_folder, "*" + C.MODEL_FILE_SUFFIX)))
     os.makedirs(output_folder, exist_ok=True)
-    write_universal(output_folder, full, frozen, _optimizer_state(scaler, saved.saved_stage, saved.world_size or 1),
-                    model_files, inject)
+    write_universal(output_folder, full, frozen,
+                    universal_optimizer_state(scaler, saved.saved_stage, saved.world_size or 1), model_files, inject)
 
 
 def main(args=None):

@@ -49,6 +49,28 @@ def _atomic_save(obj, path):
     atomic_torch_save(obj, path)
 
 
+def universal_optimizer_state(scaler, stage, world):
+    """``zero/optimizer_state.pt`` besides the param groups: the loss scaler and the ZeRO bookkeeping, from a saved
+    ``scaler`` payload, the saved ZeRO ``stage`` and its data-parallel ``world`` size."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    state = scaler.get("loss_scaler") or {}
+    if scaler.get("fp16") and scaler.get("dynamic_loss_scale"):
+        obj = DynamicLossScaler(init_scale=float(state.get("cur_scale", 1.0)))
+        obj.cur_iter = int(state.get("cur_iter", 0))
+        obj.last_overflow_iter = int(state.get("last_overflow_iter", -1))
+        obj.cur_hysteresis = int(state.get("cur_hysteresis", obj.delayed_shift))
+    else:
+        obj = LossScaler(float(state.get("cur_scale", 1.0)) if scaler.get("fp16") else 1.0)
+    return {
+        C.LOSS_SCALER: obj,
+        "dynamic_loss_scale": bool(scaler.get("dynamic_loss_scale")),
+        "overflow": bool(scaler.get("overflow", False)),
+        C.CLIP_GRAD: float(scaler.get("clip_grad", 0.0) or 0.0),
+        C.ZERO_STAGE: int(stage),
+        C.PARTITION_COUNT: int(world),
+    }
+
+
 def write_universal(output_folder, full, frozen, optimizer_state, model_files, inject_info=None, model_states=None):
     """Write the universal folder of a checkpoint (module docstring).
 

@@ -114,8 +114,7 @@ def destroy_process_group(group=None):
         from deepspeed.runtime.checkpoint_engine.decoupled_checkpoint_engine import wait_for_pending_saves
         wait_for_pending_saves()
     if group is None:  # the mesh's groups go too: a reference kept to one keeps its threads alive
-        from deepspeed.utils import groups
-        groups.forget_groups()
+        lifecycle.run_world_teardown_hooks()
     dist.destroy_process_group(group)
 
 

@@ -26,6 +26,7 @@ import atexit
 import torch.distributed as dist
 
 _exit_hook_registered = False
+_world_teardown_hooks = []
 
 
 def import_group_pinning_modules():
@@ -53,3 +54,17 @@ def _destroy_default_group():
     # atexit hooks run before finalization, when worker threads can still take the GIL.
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def on_world_destroyed(hook):
+    """Register ``hook()`` to run when ``deepspeed.comm.destroy_process_group()`` destroys the default group,
+    before the group goes. Modules that keep references to groups (the mesh) register here, so that dropping those
+    references needs no import from ``deepspeed.comm`` back into them. Idempotent per hook."""
+    if hook not in _world_teardown_hooks:
+        _world_teardown_hooks.append(hook)
+
+
+def run_world_teardown_hooks():
+    """Call every hook registered with :func:`on_world_destroyed`, in registration order."""
+    for hook in list(_world_teardown_hooks):
+        hook()

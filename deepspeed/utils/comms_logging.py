@@ -29,6 +29,15 @@ DIRECT_OPS = ("send", "recv", "isend", "irecv", "broadcast", "broadcast_object_l
               "barrier", "monitored_barrier")
 
 
+def _world():
+    """``(world_size, rank)`` of the default process group, ``(1, 0)`` without one. Read from torch.distributed
+    directly: ``deepspeed.comm`` imports this module, so this module does not import it back."""
+    import torch.distributed as torch_dist
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return torch_dist.get_world_size(), torch_dist.get_rank()
+    return 1, 0
+
+
 def convert_size(size_bytes):
     """``1536`` -> ``"1.5 KB"`` (powers of 1024)."""
     if size_bytes <= 0:
@@ -41,8 +50,7 @@ def convert_size(size_bytes):
 def calc_bw_log(comm_op, size, duration, world_size=None):
     """``(algbw, busbw)`` in Gbit/s of ``comm_op`` moving ``size`` bytes in ``duration`` ms (module docstring)."""
     if world_size is None:
-        import deepspeed.comm as dist
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        world_size = _world()[0]
     n = max(int(world_size), 1)
     if duration <= 0:
         return 0.0, 0.0
@@ -179,14 +187,13 @@ class CommsLogger:
             print(_render(summary, stragglers))
         if not return_dict:
             return None
-        import deepspeed.comm as dist
-        initialized = dist.is_initialized()
+        world_size, rank = _world()
         return {
             "summary": summary,
             "straggler_analysis": stragglers,
             "metadata": {
-                "world_size": dist.get_world_size() if initialized else 1,
-                "rank": dist.get_rank() if initialized else 0,
+                "world_size": world_size,
+                "rank": rank,
                 "timestamp": datetime.datetime.now().isoformat(),
             },
         }

@@ -15,15 +15,16 @@ are upstream's ``_create_zero_param_parallel_group`` groups (``h`` consecutive g
 ``h`` is capped at the ZeRO group's size and must then divide it.
 
 :func:`node_tables` is pure (the same tables on every rank, no collective); :func:`build_node_axis` creates
-the groups through :func:`deepspeed.utils.groups.group_of_ranks` (a collective: every rank, same ``h``).
+the groups through :func:`deepspeed.utils.mesh.group_of_ranks` (a collective: every rank, same ``h``).
 ``deepspeed.utils.groups`` exposes upstream's accessor names for it (``_get_zero_param_intra_parallel_group``
-...). This module imports only ``deepspeed.comm`` and ``deepspeed.utils.groups``.
+...). This module imports only ``deepspeed.comm`` and ``deepspeed.utils.mesh``.
 """
 
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import deepspeed.comm as dist
+from deepspeed.utils.mesh import current_mesh, group_of_ranks
 
 ZERO_KIND = "sequence_data_parallel"  # the groups ZeRO shards over (engine_mesh.dense_group)
 
@@ -74,10 +75,9 @@ _AXIS: Optional[NodeAxis] = None
 
 def _group(table):
     """This rank's group of ``table`` (a collective), or None for groups of one rank (never communicated over)."""
-    from deepspeed.utils import groups
     if len(table[0]) == 1 or not dist.is_initialized():
         return None
-    return groups.group_of_ranks(table)
+    return group_of_ranks(table)
 
 
 def build_node_axis(h, cross=False):
@@ -85,8 +85,7 @@ def build_node_axis(h, cross=False):
     ZeRO group's size; ValueError if it does not divide it). ``cross``: the cross-node groups too (qgZ's second
     hop; hpZ alone needs only the node groups). A collective: every rank calls it with the same arguments."""
     global _AXIS
-    from deepspeed.utils import groups
-    mesh = groups.current_mesh()
+    mesh = current_mesh()
     zero_table = dict(mesh.description.tables())[ZERO_KIND]
     zero_world = len(zero_table[0])
     size = check_node_size(h, zero_world)

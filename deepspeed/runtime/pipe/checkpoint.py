@@ -476,8 +476,7 @@ def to_universal(input_folder, output_folder, inject_info=None):
     trainable parameter's fp32 value and optimizer state by name, merged over the saved stages, with the layer
     and model-states files beside them. A PipelineEngine of any cut loads it with ``checkpoint.load_universal``."""
     import shutil
-    from deepspeed.checkpoint.ds_to_universal import _optimizer_state
-    from deepspeed.checkpoint.universal_checkpoint import write_universal
+    from deepspeed.checkpoint.universal_checkpoint import universal_optimizer_state, write_universal
     saved = _SavedStages(input_folder)
     if saved.upstream and any(saved.names(j) is None for j in range(saved.stages)):
         raise NotImplementedError(f"{input_folder}: an upstream ZeRO-0 pipeline checkpoint names none of its "
@@ -498,7 +497,7 @@ def to_universal(input_folder, output_folder, inject_info=None):
     os.makedirs(output_folder, exist_ok=True)
     zero = saved.stage_of_zero(0)
     write_universal(output_folder, merged, {},
-                    _optimizer_state(scaler, zero, int(saved.first.get("dp_world_size") or 1)), saved.files,
+                    universal_optimizer_state(scaler, zero, int(saved.first.get("dp_world_size") or 1)), saved.files,
                     inject_info)
     for path in sorted(glob.glob(os.path.join(input_folder, f"{C.LAYER_FILE_PREFIX}*"))):
         shutil.copy2(path, os.path.join(output_folder, os.path.basename(path)))

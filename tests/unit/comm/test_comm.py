@@ -367,6 +367,20 @@ def check_barriers_and_objects(rank):
     assert dist.log_summary() is None
 
 
+def check_destroy_forgets_mesh(rank):
+    """destroy_process_group() drops the mesh's groups (through the teardown hook the mesh registers): no group
+    made for the old default group outlives it. Runs last: it destroys the default group."""
+    import deepspeed.comm as dist
+    from deepspeed.utils import groups, mesh
+    mesh.build_mesh(mesh.MeshDescription.standard(dist.get_world_size()))
+    own = mesh._new_group((rank, ), dist.get_world_size())  # a one-rank group, cached like the mesh's own
+    assert mesh._GROUP_CACHE.get((rank, )) is own and groups._MESH is not None
+    dist.destroy_process_group()
+    assert not dist.is_initialized()
+    assert mesh._GROUP_CACHE == {} and mesh._CACHE_OWNER == [None]
+    assert mesh._MESH is None and groups._MESH is None and groups.mpu is None
+
+
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_") and callable(fn)}
 
 
@@ -383,7 +397,7 @@ def _run_check(fn, rank):
 def _run_checks(rank, results):
     import deepspeed.comm as dist
     for name, fn in CHECKS.items():
-        if name != "check_single_process_init":
+        if name not in ("check_single_process_init", "check_destroy_forgets_mesh"):
             results[name] = _run_check(fn, rank)
             dist.barrier()  # keep the ranks in step from one check to the next
 
@@ -406,10 +420,12 @@ def _worker(rank, port, result_dir):
     dist.init_distributed(timeout=datetime.timedelta(seconds=60))  # a desynchronised check fails, not hangs
     try:
         _run_checks(rank, results)
+        results["check_destroy_forgets_mesh"] = _run_check(check_destroy_forgets_mesh, rank)
     finally:
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     # The results are on disk; skip the interpreter's teardown, which takes seconds after torch.distributed use.
     os._exit(0)
 
