@@ -101,7 +101,8 @@ def test_engine_log_level_reads_the_config():
 
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.engine import DeepSpeedEngine
-    assert DeepSpeedEngine.log_level(types.SimpleNamespace(_config=types.SimpleNamespace(log_level="ERROR"))) == "ERROR"
+    holder = types.SimpleNamespace(_config=types.SimpleNamespace(log_level="ERROR"))
+    assert DeepSpeedEngine.log_level(holder) == "ERROR"
     for written in ("info", "WARNING", None):
         raw = {"train_batch_size": 1} if written is None else {"train_batch_size": 1, "log_level": written}
         engine = types.SimpleNamespace(_config=DeepSpeedConfig(raw))
