@@ -39,34 +39,15 @@ def _fsync_dir(directory):
         os.close(fd)
 
 
-def _atomic(path, write):
-    """Run ``write(handle)`` on a temporary file, sync it, and rename it to ``path``."""
-    tmp = temp_path(path)
-    try:
-        with open(tmp, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def atomic_serialize(obj, path, open_file, zipfile=True):
-    """``torch.save(obj)`` to ``path`` atomically, through the file object ``open_file(temporary path)`` returns
-    (``checkpoint_engine.file_writers``: it syncs when closed); a failure raises the operating system's error."""
-    from deepspeed.runtime.checkpoint_engine.file_writers import serialize
+def _replace_atomically(path, write_to):
+    """Run ``write_to(temporary path)`` and rename the result to ``path``; on any failure the temporary file is
+    removed and the error raised (an operating-system error named by ``path``, not its temporary name)."""
     tmp = temp_path(path)
     try:
         try:
-            serialize(obj, open_file(tmp), zipfile)
+            write_to(tmp)
             os.replace(tmp, path)
-        except OSError as exc:  # named by the checkpoint file, not its temporary name
+        except OSError as exc:
             if exc.errno is None or exc.filename == path:
                 raise
             raise OSError(exc.errno, exc.strerror, path) from exc
@@ -77,6 +58,25 @@ def atomic_serialize(obj, path, open_file, zipfile=True):
             pass
         raise
     _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _atomic(path, write):
+    """Run ``write(handle)`` on a temporary file, sync it, and rename it to ``path``."""
+
+    def write_to(tmp):
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    _replace_atomically(path, write_to)
+
+
+def atomic_serialize(obj, path, open_file, zipfile=True):
+    """``torch.save(obj)`` to ``path`` atomically, through the file object ``open_file(temporary path)`` returns
+    (``checkpoint_engine.file_writers``: it syncs when closed); a failure raises the operating system's error."""
+    from deepspeed.runtime.checkpoint_engine.file_writers import serialize
+    _replace_atomically(path, lambda tmp: serialize(obj, open_file(tmp), zipfile))
 
 
 def atomic_torch_save(obj, path):

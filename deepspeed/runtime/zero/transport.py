@@ -41,31 +41,26 @@ class CommTransport(Transport):
     def __init__(self, label=None):
         self.label = label
 
-    def _name(self, op):
-        return None if self.label is None else f"{op}:{self.label}"
+    def _log(self, op):
+        """The comms logger's name for ``op`` as keyword arguments (none without a label)."""
+        return {} if self.label is None else {"log_name": f"{op}:{self.label}"}
 
     def all_reduce(self, tensor, group):
-        if self.label is None:
-            return dist.all_reduce(tensor, group=group, async_op=True)
-        return dist.all_reduce(tensor, group=group, async_op=True, log_name=self._name("all_reduce"))
+        return dist.all_reduce(tensor, group=group, async_op=True, **self._log("all_reduce"))
 
     def reduce_scatter(self, output, input, group):
-        if self.label is None:
-            return dist.reduce_scatter_tensor(output, input, group=group, async_op=True)
         return dist.reduce_scatter_tensor(output,
                                           input,
                                           group=group,
                                           async_op=True,
-                                          log_name=self._name("reduce_scatter_tensor"))
+                                          **self._log("reduce_scatter_tensor"))
 
     def all_gather(self, output, input, group):
-        if self.label is None:
-            return dist.all_gather_into_tensor(output, input, group=group, async_op=True)
         return dist.all_gather_into_tensor(output,
                                            input,
                                            group=group,
                                            async_op=True,
-                                           log_name=self._name("all_gather_into_tensor"))
+                                           **self._log("all_gather_into_tensor"))
 
 
 DEFAULT_TRANSPORT = CommTransport()
