@@ -19,7 +19,7 @@ RESULTS="$OUT/offload_states.jsonl"
 : >"$RESULTS"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream "$WHEELS"/*.whl >>"$LOG" 2>&1
 echo "== ours" | tee -a "$LOG"
-timeout "${T_OURS:-150}" python3 benchmarks/offload_states_bench.py --side ours --out "$RESULTS" >>"$LOG" 2>&1
+PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${T_OURS:-150}" python3 benchmarks/offload_states_bench.py --side ours --out "$RESULTS" >>"$LOG" 2>&1
 echo "== upstream" | tee -a "$LOG"
 (cd /tmp && PYTHONPATH=/tmp/upstream timeout "${T_UPSTREAM:-210}" python3 "$OLDPWD/benchmarks/offload_states_bench.py" \
     --side upstream --out "$RESULTS") >>"$LOG" 2>&1

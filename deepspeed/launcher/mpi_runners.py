@@ -13,7 +13,7 @@ from typing import List, Mapping
 
 from deepspeed.launcher.constants import (IMPI_LAUNCHER, MPICH_LAUNCHER, MVAPICH_LAUNCHER, MVAPICH_TMP_HOSTFILE,
                                           OPENMPI_LAUNCHER)
-from deepspeed.launcher.multinode_runner import AgentOptions, MultiNodeRunner, Transport, _which
+from deepspeed.launcher.runner_base import AgentOptions, MultiNodeRunner, Transport, _which
 from deepspeed.launcher.plan import JobPlan
 
 

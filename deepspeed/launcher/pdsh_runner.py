@@ -10,7 +10,7 @@ import shlex
 from typing import List, Mapping
 
 from deepspeed.launcher.constants import PDSH_LAUNCHER, PDSH_MAX_FAN_OUT
-from deepspeed.launcher.multinode_runner import AgentOptions, MultiNodeRunner, Transport, _which
+from deepspeed.launcher.runner_base import AgentOptions, MultiNodeRunner, Transport, _which
 from deepspeed.launcher.plan import JobPlan
 
 

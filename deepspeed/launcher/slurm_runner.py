@@ -11,7 +11,7 @@ comma cannot be written into ``--export=`` itself).
 from typing import List, Mapping
 
 from deepspeed.launcher.constants import SLURM_LAUNCHER
-from deepspeed.launcher.multinode_runner import AgentOptions, MultiNodeRunner, Transport, _which
+from deepspeed.launcher.runner_base import AgentOptions, MultiNodeRunner, Transport, _which
 from deepspeed.launcher.plan import JobPlan
 
 

@@ -7,7 +7,7 @@ Because each node has its own ssh, a node that cannot be reached or whose agent 
 
 from typing import List, Mapping
 
-from deepspeed.launcher.multinode_runner import AgentOptions, MultiNodeRunner, Transport, _which
+from deepspeed.launcher.runner_base import AgentOptions, MultiNodeRunner, Transport, _which
 from deepspeed.launcher.plan import JobPlan
 
 SSH_LAUNCHER = "ssh"

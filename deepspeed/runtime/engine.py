@@ -24,7 +24,7 @@ from deepspeed.runtime import agreement, engine_lifecycle, engine_mesh, lr_sched
 from deepspeed.runtime.accumulation import AccumulationWindow
 from deepspeed.runtime.audit import AuditSchedule, auditing
 from deepspeed.runtime.backward import ownership, registry
-from deepspeed.runtime.checkpoint import CheckpointEngineMixin
+from deepspeed.runtime.checkpoint.engine_mixin import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.engine_api import EngineAPI

@@ -29,7 +29,6 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.constants import PIPE_REPLICATED
-from deepspeed.runtime.zero.offload_states import offload_adam_states, reload_adam_states  # noqa: F401
 
 __all__ = [
     "partition_uniform", "partition_balanced", "prefix_sum_inc", "count_used_parameters_in_backward",
@@ -750,3 +749,30 @@ class noop_context:
 
     def __exit__(self, exc_type, exc_val, exc_tb):
         return False
+
+
+def _make_offload_state_key(key):
+    return f"{key}_offload_buffer"
+
+
+def offload_adam_states(optimizer, device, pin_memory: bool = False, non_blocking: bool = False):
+    """Move ``exp_avg`` / ``exp_avg_sq`` of every state to ``device`` in place: ``.data`` goes through a buffer kept in
+    the state under ``<key>_offload_buffer``, so the state tensors stay the same objects."""
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                continue
+            buffer_key = _make_offload_state_key(key)
+            if buffer_key not in state:
+                buffer = torch.empty_like(state[key], device=device)
+                state[buffer_key] = get_accelerator().pin_memory(buffer) if pin_memory else buffer
+            state[buffer_key].copy_(state[key], non_blocking=non_blocking)
+            state[key].data = state[buffer_key]
+
+
+def reload_adam_states(optimizer, device, non_blocking: bool = False):
+    """Move ``exp_avg`` / ``exp_avg_sq`` back to ``device`` in place (after :func:`offload_adam_states`)."""
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                state[key].data = state[_make_offload_state_key(key)].to(device, non_blocking=non_blocking)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Checkpoints of ZeRO stages 0-3: saving, loading across stages and world sizes (see docs/checkpoints.md)."""
 
-from deepspeed.runtime.checkpoint.engine_mixin import CheckpointEngineMixin, attach  # noqa: F401
+# The engine's mixin (``engine_mixin``) is imported from its module, not from here: it reaches upstream's
+# ``deepspeed.checkpoint`` package, which reads this package's modules, so re-exporting it would close a circle.
 from deepspeed.runtime.checkpoint.validate import CheckpointError  # noqa: F401
 
-__all__ = ["CheckpointEngineMixin", "attach", "CheckpointError"]
+__all__ = ["CheckpointError"]

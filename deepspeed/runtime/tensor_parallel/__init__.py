@@ -10,4 +10,19 @@ other tensor-parallel sizes.
 """
 
 from .config import AUTOTP_MODE, TPConfig, TPTrainingConfig, get_tensor_parallel_config  # noqa: F401
-from .tp_manager import TpTrainingManager  # noqa: F401
+
+
+def __getattr__(name):
+    # ``TpTrainingManager`` is upstream's name here, but its module reaches ``module_inject.layers``, which reads
+    # ``mappings`` of this package: importing it on first use keeps that from closing an import circle.
+    if name == "TpTrainingManager":
+        from .tp_manager import TpTrainingManager
+        return TpTrainingManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["AUTOTP_MODE", "TPConfig", "TPTrainingConfig", "get_tensor_parallel_config", "TpTrainingManager"]
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

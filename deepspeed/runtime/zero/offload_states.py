@@ -4,9 +4,8 @@
 * ``offload_optimizer_states(opt, device, pin_memory)`` replaces every tensor of ``opt.state`` with a copy
   on ``device`` (pinned host memory with ``pin_memory``); ``reload_optimizer_states(opt, device)`` moves them
   back and returns the replaced host tensors (keep them alive until a non-blocking copy has finished).
-* ``offload_adam_states`` / ``reload_adam_states`` do the same for ``exp_avg`` and ``exp_avg_sq`` only, by
-  moving ``.data`` through a persistent buffer kept in the state under ``<key>_offload_buffer``, so the
-  state tensors stay the same objects.
+* ``offload_adam_states`` / ``reload_adam_states`` do the same for ``exp_avg`` and ``exp_avg_sq`` only (defined in
+  :mod:`deepspeed.runtime.utils`, upstream's other home for them, so that module imports nothing of ZeRO).
 
 * ``get_state_devices(engine, state)``: the devices the engine's tensors of one
   :class:`~deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum` kind live on now (after
@@ -21,11 +20,8 @@ from typing import Set
 import torch
 
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.utils import offload_adam_states, reload_adam_states  # noqa: F401 (upstream has them in both)
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: F401 (upstream imports it here too)
-
-
-def _make_offload_state_key(key):
-    return f"{key}_offload_buffer"
 
 
 def _host_copy(tensor, device, pin_memory, non_blocking):
@@ -61,28 +57,6 @@ def unpin_offloaded_optimizer_states(optimizer):
         for key, value in state.items():
             if torch.is_tensor(value) and value.device.type == "cpu" and value.is_pinned():
                 state[key] = value.clone()
-
-
-def offload_adam_states(optimizer, device, pin_memory: bool = False, non_blocking: bool = False):
-    """Move ``exp_avg`` / ``exp_avg_sq`` of every state to ``device`` in place (through a kept buffer)."""
-    for state in optimizer.state.values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key not in state:
-                continue
-            buffer_key = _make_offload_state_key(key)
-            if buffer_key not in state:
-                buffer = torch.empty_like(state[key], device=device)
-                state[buffer_key] = get_accelerator().pin_memory(buffer) if pin_memory else buffer
-            state[buffer_key].copy_(state[key], non_blocking=non_blocking)
-            state[key].data = state[buffer_key]
-
-
-def reload_adam_states(optimizer, device, non_blocking: bool = False):
-    """Move ``exp_avg`` / ``exp_avg_sq`` back to ``device`` in place (after :func:`offload_adam_states`)."""
-    for state in optimizer.state.values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in state:
-                state[key].data = state[_make_offload_state_key(key)].to(device, non_blocking=non_blocking)
 
 
 def get_state_devices(model, state: OffloadStateTypeEnum) -> Set[torch.device]:

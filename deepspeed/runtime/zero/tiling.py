@@ -12,7 +12,7 @@ The module layout (``linears.<o>.<i>.weight``) is upstream's, so state dicts int
 
 import torch
 
-import deepspeed
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from deepspeed.runtime.utils import partition_uniform
 
 
@@ -105,10 +105,10 @@ class TiledLinear(torch.nn.Module):
             for i in range(self.in_splits):
                 c0, c1 = self.in_parts[i], self.in_parts[i + 1]
                 tile = self.linears[o][i]
-                with deepspeed.zero.GatheredParameters(tile.weight, modifier_rank=0):
+                with GatheredParameters(tile.weight, modifier_rank=0):
                     tile.weight.copy_(other.weight[r0:r1, c0:c1])
                 if tile.bias is not None:
-                    with deepspeed.zero.GatheredParameters(tile.bias, modifier_rank=0):
+                    with GatheredParameters(tile.bias, modifier_rank=0):
                         tile.bias.copy_(other.bias[r0:r1])
 
 

@@ -25,7 +25,7 @@ LR = 0.02
 
 def attach_checkpointing():
     """Give DeepSpeedEngine the checkpoint methods (until engine.py inherits the mixin)."""
-    from deepspeed.runtime.checkpoint import attach
+    from deepspeed.runtime.checkpoint.engine_mixin import attach
     from deepspeed.runtime.engine import DeepSpeedEngine
     attach(DeepSpeedEngine)
 
