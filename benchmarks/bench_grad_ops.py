@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Each ``csrc/grad_ops`` kernel against the torch function it replaces (``deepspeed.runtime.zero.grad_ops``).
+"""Each ``csrc/grad_ops`` kernel against the torch function it replaces
+(``deepspeed.runtime.zero.gradients.grad_ops``).
 
 Three tables:
 
@@ -29,7 +30,7 @@ import time
 import torch
 
 from deepspeed.ops import grad_ops_native as native
-from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.gradients import grad_ops
 
 DEVICE = "cuda"
 COEF = 0.999  # scales applied again and again must not drive the data to zero

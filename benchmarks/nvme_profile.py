@@ -203,7 +203,7 @@ def instrument():
     from deepspeed.ops.adam import host_adam
     from deepspeed.ops.aio.buffers import aligned_numel
     from deepspeed.runtime.swap_tensor import optimizer_swap, paged_store, param_swap
-    from deepspeed.runtime.zero import step_pipeline, unit_step
+    from deepspeed.runtime.zero.offload import step_pipeline, unit_step
 
     PS = paged_store.PagedStore
     tls = threading.local()

@@ -2,7 +2,7 @@
 //
 // Bindings of the gradient pipeline's CUDA kernels: each function checks its tensors (CUDA, one device,
 // contiguous, float32/bfloat16/float16, sizes), cuts the work into segment batches (grad_ops.h) and launches
-// them on the current stream. Contracts: deepspeed/runtime/zero/grad_ops.py, whose torch implementations these
+// them on the current stream. Contracts: deepspeed/runtime/zero/gradients/grad_ops.py, whose torch implementations these
 // replace; the Python wrappers are in deepspeed/ops/grad_ops_native.py.
 //
 // A rejected input or a failed launch is reported by returning the message (empty when all went well), which
@@ -375,7 +375,7 @@ std::tuple<at::Tensor, Error> partial_sq_norm(const std::vector<at::Tensor>& ten
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
-    m.doc() = "CUDA kernels of the gradient pipeline (deepspeed/runtime/zero/grad_ops.py); each returns an error "
+    m.doc() = "CUDA kernels of the gradient pipeline (deepspeed/runtime/zero/gradients/grad_ops.py); each returns an error "
               "message, empty on success";
     m.def("scale_accumulate", &scale_accumulate, "targets[i] += factor * grads[i]");
     m.def("flatten_into", &flatten_into, "out[:n] = [out[:n] +] factor * cat(grads); tail zeroed unless accumulating");

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // Block quantization of rows on the host, for ZeRO++'s quantized transports (qwZ, qgZ): the native version of
-// deepspeed/runtime/zero/block_quant.py, computing the same bits in one threaded pass per row block instead of a
+// deepspeed/runtime/zero/gradients/block_quant.py, computing the same bits in one threaded pass per row block instead of a
 // chain of torch operations.
 //
 // A row of ``numel`` values is cut into blocks of ``block`` values (the last padded with zeros); each block gets

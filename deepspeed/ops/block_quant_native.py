@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The host op of ``csrc/quantization/block_quant.cpp``, registered as the implementation of
-``deepspeed.runtime.zero.block_quant`` for host tensors.
+``deepspeed.runtime.zero.gradients.block_quant`` for host tensors.
 
 The wrappers keep the contract of the torch reference bit for bit (tests compare them): host tensors of float32
 or bfloat16 with contiguous rows go to the op, anything else (device tensors, float16) to the torch reference.
@@ -23,7 +23,7 @@ import torch
 
 from deepspeed.ops.native import load_op
 from deepspeed.ops.op_builder import BlockQuantBuilder
-from deepspeed.runtime.zero import block_quant
+from deepspeed.runtime.zero.gradients import block_quant
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _op = None

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The CUDA kernels of ``csrc/grad_ops``, registered as implementations of ``deepspeed.runtime.zero.grad_ops``.
+"""The CUDA kernels of ``csrc/grad_ops``, registered as implementations of
+``deepspeed.runtime.zero.gradients.grad_ops``.
 
 Each wrapper below has the signature and the contract of the torch function it replaces (see ``grad_ops``), up
 to rounding: the kernels compute in float32 and round once to the destination type (the torch versions round
@@ -23,7 +24,7 @@ import torch
 
 from deepspeed.ops.native import load_op
 from deepspeed.ops.op_builder import GradOpsBuilder
-from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.gradients import grad_ops
 
 NAMES = ("scale_accumulate", "flatten_into", "chunk_into", "partial_sq_norm", "scale_", "cast_copy", "pack_cast")
 

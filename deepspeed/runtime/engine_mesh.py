@@ -22,8 +22,8 @@ import deepspeed.comm as dist
 from deepspeed.moe.utils import expert_group_size, expert_parallel_sizes, is_moe_param
 from deepspeed.runtime.sequence_parallel.loss import gradient_divisor
 from deepspeed.runtime.tensor_parallel import replicated
-from deepspeed.runtime.zero.reduction_spec import ReductionPlan, ReductionSpec
-from deepspeed.runtime.zero.zeropp import check_zeropp
+from deepspeed.runtime.zero.gradients.reduction_spec import ReductionPlan, ReductionSpec
+from deepspeed.runtime.zero.units.zeropp import check_zeropp
 from deepspeed.utils import groups
 
 

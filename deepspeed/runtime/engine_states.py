@@ -5,7 +5,7 @@ RL trainers that put generation (vLLM) and training on the same GPUs empty the G
 (OpenRLHF's ``--deepspeed_enable_sleep``, ROLL's strategy after every optimizer step). The state is the
 engine's *state table*: the module's parameters plus what the ZeRO stage lists
 (:meth:`~deepspeed.runtime.zero.stage_base.ZeroStage.state_table`), by :class:`OffloadStateTypeEnum`
-kind; :class:`~deepspeed.runtime.zero.state_placement.StatePlacement` moves it. Works on ZeRO 0-3, with
+kind; :class:`~deepspeed.runtime.zero.offload.state_placement.StatePlacement` moves it. Works on ZeRO 0-3, with
 or without an optimizer (reference and reward models), with parameter offload and with the host step
 (state already on the host is not moved again, as upstream leaves it).
 
@@ -29,7 +29,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.usage_errors import EngineUsageError
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as Kind
-from deepspeed.runtime.zero.state_placement import StatePlacement
+from deepspeed.runtime.zero.offload.state_placement import StatePlacement
 from deepspeed.utils.logging import logger
 
 # What each engine operation reads or writes of the state table.

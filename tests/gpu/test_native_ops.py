@@ -20,7 +20,7 @@ import torch
 
 from deepspeed.ops import grad_ops_native as native
 from deepspeed.ops.native import load_error
-from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.gradients import grad_ops
 
 pytestmark = pytest.mark.gpu
 

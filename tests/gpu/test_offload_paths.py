@@ -212,7 +212,7 @@ def check_paths(name):
 
 def check_overlap(name):
     """The pipelined (overlapped) step, or partial offload, against the whole-partition full-offload step."""
-    from deepspeed.runtime.zero.step_pipeline import StepPipeline
+    from deepspeed.runtime.zero.offload.step_pipeline import StepPipeline
     case, ratio = OVERLAP_CASES[name]
     device = _device()
     reference = _train(case, device, sync=False, env={"DS_OFFLOAD_OVERLAP": "0"}, with_state=True)
@@ -237,7 +237,7 @@ def check_overlap(name):
 def check_transfer_ordering(_):
     """A device-to-host copy issued while the compute stream is still writing its source reads the written values
     (the copy's stream waits for the compute stream: what a gradient copy after its reduction relies on)."""
-    from deepspeed.runtime.zero.transfers import HostTransfers, pinned_empty
+    from deepspeed.runtime.zero.offload.transfers import HostTransfers, pinned_empty
     device = _device()
     transfers = HostTransfers(device)
     src = torch.zeros(1 << 20, device=device)
@@ -390,7 +390,7 @@ def _train_speculative(case, device, super_offload, steps=5):
 
 def check_speculative(name):
     """super_offload (speculative steps, rolled back when the step clips) against the exact pipelined step."""
-    from deepspeed.runtime.zero.step_pipeline import StepPipeline
+    from deepspeed.runtime.zero.offload.step_pipeline import StepPipeline
     case = SPECULATIVE_CASES[name]
     device = _device()
     exact, none = _train_speculative(case, device, False)
@@ -485,7 +485,7 @@ def _train_z3_overlap(case, device, env, steps=5):
 
 def check_z3_overlap(name):
     """ZeRO-3: the step overlapping the next forward (each piece slowed by 5 ms) against the whole-partition step."""
-    from deepspeed.runtime.zero.step_pipeline import StepPipeline
+    from deepspeed.runtime.zero.offload.step_pipeline import StepPipeline
     case, ratio = Z3_OVERLAP_CASES[name]
     device = _device()
     ref_losses, ref_state, _ = _train_z3_overlap(case, device, {"DS_OFFLOAD_OVERLAP": "0"})
@@ -528,7 +528,7 @@ ALL += Z3_OVERLAP_ENTRIES
 def _reads_after_step(overlap, device, steps=4):
     """ZeRO-2 offload on one GPU; after each step the parameters read through the module (as an EMA does)."""
     import deepspeed
-    from deepspeed.runtime.zero.step_pipeline import StepPipeline
+    from deepspeed.runtime.zero.offload.step_pipeline import StepPipeline
     cfg = _config(dict(stage=2, gas=1, zero={"offload_optimizer": PIN}))
     torch.manual_seed(0)
     model = _Model()

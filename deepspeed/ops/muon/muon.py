@@ -11,8 +11,8 @@ Muon's step for a matrix parameter ``p`` with gradient ``g`` and momentum ``m`` 
 Only ``direction`` needs the whole matrix. :class:`MatrixOptimizer` runs the elementwise parts on whatever its
 parameters are (whole tensors, or the flat fp32 master partitions of ZeRO 1-3) and hands ``u`` to its
 ``matrix_step``: :class:`LocalMatrices` (the default) when every parameter is a whole matrix, or the partitioned
-exchange a ZeRO stage installs (:mod:`deepspeed.runtime.zero.matrix_step`), which gives each matrix to one rank,
-computes its direction once there and returns every rank its pieces of ``O``.
+exchange a ZeRO stage installs (:mod:`deepspeed.runtime.zero.partitions.matrix_step`), which gives each matrix to
+one rank, computes its direction once there and returns every rank its pieces of ``O``.
 
 * :class:`MuonWithAuxAdam`: upstream's config optimizer (``"optimizer": {"type": "Muon"}``). Param groups carry
   ``use_muon``; Muon groups take ``lr`` (0.02), ``momentum`` (0.95), ``weight_decay`` (0), ``ns_method``

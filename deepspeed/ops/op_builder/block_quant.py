@@ -6,7 +6,8 @@ from .builder import TorchCPUOpBuilder
 
 class BlockQuantBuilder(TorchCPUOpBuilder):
     """Symmetric 4/8-bit block quantize and dequantize of rows in one threaded pass: the native version of
-    ``deepspeed.runtime.zero.block_quant`` for host tensors (``deepspeed.ops.block_quant_native`` registers it)."""
+    ``deepspeed.runtime.zero.gradients.block_quant`` for host tensors (``deepspeed.ops.block_quant_native`` registers
+    it)."""
 
     NAME = "block_quant"
     BUILD_VAR = "DS_BUILD_BLOCK_QUANT"

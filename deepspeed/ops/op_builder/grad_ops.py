@@ -6,7 +6,8 @@ from .builder import CUDAOpBuilder
 
 class GradOpsBuilder(CUDAOpBuilder):
     """Multi-tensor scale-and-accumulate, copy-in, squared norm with fused unscale, and cast-copy: the native
-    implementations of ``deepspeed.runtime.zero.grad_ops`` (``deepspeed.ops.grad_ops_native`` registers them)."""
+    implementations of ``deepspeed.runtime.zero.gradients.grad_ops`` (``deepspeed.ops.grad_ops_native`` registers
+    them)."""
 
     NAME = "grad_ops"
     BUILD_VAR = "DS_BUILD_GRAD_OPS"

@@ -51,7 +51,7 @@ from deepspeed.runtime.audit.directions import DirectionStream, mix_seed
 from deepspeed.runtime.audit.pieces import LocalPieces
 from deepspeed.runtime.audit.report import (AuditReport, DirectionResult, GroupResult, compute_precision,
                                             default_tolerance, error_scale, relative_error, relative_step)
-from deepspeed.runtime.zero.profiling import ds_range
+from deepspeed.runtime.zero.gradients.profiling import ds_range
 
 AUDIT_SEED = 0x6175646974  # the default seed is mixed from this and the engine's global step
 # Directions per group when a mismatch is localised: one is too noisy in bf16 for a group with a

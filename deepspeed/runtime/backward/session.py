@@ -9,7 +9,7 @@ epilogue runs from the autograd engine's final callback of that graph task.
 The session owns, for this one backward:
 
 * the seed: the loss scale the root gradient carries and whether GAS scaling applies;
-* the gradient pipelines (one per engine, ``zero/grad_pipeline.py``) that this backward
+* the gradient pipelines (one per engine, ``zero/gradients/grad_pipeline.py``) that this backward
   reached, with the factor their contributions are multiplied by:
   ``factor(E) = s(E) / loss_scale`` where ``s(E) = 1/GAS_E`` (or 1 with
   ``scale_wrt_gas=False``);

@@ -2,10 +2,10 @@
 """From per-rank ZeRO 1/2 partitions to full tensors by parameter name: the stage-independent ``FullState``.
 
 A ZeRO 1/2 optimizer file holds one data-parallel rank's partition of a
-:class:`~deepspeed.runtime.zero.partition_layout.PartitionedLayout`: for each param
+:class:`~deepspeed.runtime.zero.partitions.partition_layout.PartitionedLayout`: for each param
 group, the concatenation of the rank's chunk of each of the group's buckets. With the
 layout described in the file (written by the stage,
-``deepspeed/runtime/zero/checkpoint_partitioned.py``: the world size, every parameter's
+``deepspeed/runtime/zero/checkpoint/partitioned.py``: the world size, every parameter's
 name, shape, group and offset in the full space, every bucket's start, size, padding,
 chunk and offset in the partition), the files of all ranks give back
 the full space, and so every parameter's fp32 value and every optimizer state tensor

@@ -6,7 +6,7 @@ size) and rank ``r`` owns elements ``[r*s, (r+1)*s)``. For param group ``g`` the
 rank's fp32 master partition (``fp32_flat_groups[g]``), and every optimizer state
 tensor shaped like it, hold ``p``'s shard at its ``part_offset``; frozen parameters'
 16-bit shards are in ``frozen_16bit_shards``. Each file's ``zero3_layout`` (written by
-the stage, ``deepspeed/runtime/zero/checkpoint_stage3.py``) gives the world size and,
+the stage, ``deepspeed/runtime/zero/checkpoint/stage3.py``) gives the world size and,
 per parameter, its name, shape, numel, shard size, group and part offset.
 
 :func:`full_state_from_zero3` concatenates every saved rank's shards and cuts them to

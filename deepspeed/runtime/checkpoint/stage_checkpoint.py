@@ -4,8 +4,8 @@
 ``saving.py`` and ``loading.py`` get a :class:`StageCheckpoint` from the engine's stage
 (``stage.checkpoint()``, see :func:`checkpoint_of`) and call only the methods below; they
 never read a stage's fields nor branch on its number. Each stage implements the interface
-in its own module: ``deepspeed/runtime/zero/checkpoint_stage0.py``,
-``checkpoint_partitioned.py`` (stages 1 and 2) and ``checkpoint_stage3.py``. An engine
+in its own module: ``deepspeed/runtime/zero/checkpoint/stage0.py``,
+``checkpoint/partitioned.py`` (stages 1 and 2) and ``checkpoint/stage3.py``. An engine
 without an optimizer has no stage; it gets :class:`ModuleOnly`.
 
 Saving. ``checkpoint_files(save)`` lists the files this rank writes and their payloads,

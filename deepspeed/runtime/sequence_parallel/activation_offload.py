@@ -20,7 +20,7 @@ from typing import Any, Callable, List
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from deepspeed.runtime.zero.transfers import pinned_empty
+from deepspeed.runtime.zero.offload.transfers import pinned_empty
 
 __all__ = ["checkpoint_offloaded", "enable_checkpoint_offload"]
 

@@ -2,10 +2,10 @@
 """The optimizer tier: an offloaded step's fp32 masters and optimizer state on disk (``offload_optimizer.device:
 nvme``).
 
-:class:`OptimizerStateSwap` belongs to a :class:`~deepspeed.runtime.zero.offload_step.HostStep`, on ZeRO 1, 2 and 3,
-whatever steps it. Per param group it keeps, per page, the ``fp32`` master and every per-element state tensor of the
-optimizer (``fields``: ``exp_avg`` and ``exp_avg_sq`` for Adam, ``exp_avg`` for Lion, ``exp_avg_sq`` for
-``DeepSpeedCPUAdagrad``..., found by ``paged_step.probe_state_fields``) in
+:class:`OptimizerStateSwap` belongs to a :class:`~deepspeed.runtime.zero.offload.offload_step.HostStep`, on ZeRO 1,
+2 and 3, whatever steps it. Per param group it keeps, per page, the ``fp32`` master and every per-element state
+tensor of the optimizer (``fields``: ``exp_avg`` and ``exp_avg_sq`` for Adam, ``exp_avg`` for Lion, ``exp_avg_sq``
+for ``DeepSpeedCPUAdagrad``..., found by ``paged_step.probe_state_fields``) in
 ``{nvme_path}/zero_stage_3/optimizer/rank{r}/``; the window gradient partitions and the 16-bit targets stay in host
 memory, as with CPU offload. ``on_disk[g]``: the state fields group ``g`` has so far (none before its first step).
 

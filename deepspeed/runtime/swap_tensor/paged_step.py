@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The offloaded step of any elementwise optimizer, range by range over the disk tiers.
 
-The pipelined host step (``zero/step_pipeline.py``) runs ``DeepSpeedCPUAdam`` on the host Adam op and pages the
+The pipelined host step (``zero/offload/step_pipeline.py``) runs ``DeepSpeedCPUAdam`` on the host Adam op and pages the
 optimizer tier piece by piece. Every other offloaded step (torch's Adam/AdamW through ``torch_adam``, Lion, Adagrad,
 a client optimizer, an fp32 model, ``DS_OFFLOAD_OVERLAP=0``, a 16-bit gradient window) is a *whole-partition* step:
 the inner optimizer's own ``step()`` over each param group's flat fp32 master. :class:`PagedStep` runs that step

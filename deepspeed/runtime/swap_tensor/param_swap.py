@@ -27,7 +27,7 @@ import torch
 
 from deepspeed.runtime.swap_tensor.disk_tier import release_host_cache, DiskTier
 from deepspeed.runtime.swap_tensor.swap_folder import param_folder
-from deepspeed.runtime.zero.transfers import DONE, pinned
+from deepspeed.runtime.zero.offload.transfers import DONE, pinned
 
 FIELD = "param"
 

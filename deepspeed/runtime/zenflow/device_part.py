@@ -17,7 +17,7 @@ steps (after backward, when activations are gone).
 import torch
 from torch.optim.adam import adam as functional_adam
 
-from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned
+from deepspeed.runtime.zero.offload.transfers import DONE, HostTransfers, pinned
 
 
 def adam_hyperparameters(group):

@@ -4,11 +4,11 @@
 Every ZenFlow step hands :meth:`HostWindow.accumulate` the step's gradient (the stage's
 partitions) and its clipping coefficient; the window sum ``acc`` receives ``coef * gradient``
 (the first step of a window overwrites it). At the end of a window :meth:`launch` queues the
-host step on a :class:`~deepspeed.runtime.zero.host_worker.HostWorker` thread: the masters'
+host step on a :class:`~deepspeed.runtime.zero.offload.host_worker.HostWorker` thread: the masters'
 gradient is ``acc / n`` (the mean of the window's clipped gradients), the inner optimizer steps
 every host master element (the elements the device part owns get values nobody reads: the
 device part's values replace them), and its 16-bit values land in the pinned upload buffers of
-the stage's :class:`~deepspeed.runtime.zero.offload_step.HostStep`.
+the stage's :class:`~deepspeed.runtime.zero.offload.offload_step.HostStep`.
 
 Where the window sums (``device``):
 
@@ -54,8 +54,8 @@ import time
 import torch
 
 from deepspeed.runtime.zenflow.config import WINDOW_UPDATES
-from deepspeed.runtime.zero.host_worker import HostWorker
-from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned
+from deepspeed.runtime.zero.offload.host_worker import HostWorker
+from deepspeed.runtime.zero.offload.transfers import DONE, HostTransfers, pinned
 
 
 def optimizer_snapshot(optimizer):

@@ -25,7 +25,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zenflow.selection import Piece
-from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.gradients import grad_ops
 
 
 def partitioned_pieces(layout):

@@ -62,10 +62,10 @@ from deepspeed.runtime.zenflow.device_part import DevicePart, check_adam
 from deepspeed.runtime.zenflow.host_window import HostWindow
 from deepspeed.runtime.zenflow.selection import ColumnSelection
 from deepspeed.runtime.zenflow.zenflow_utils import _split_affinity
-from deepspeed.runtime.zero import grad_ops
-from deepspeed.runtime.zero.host_worker import host_cores
-from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned
+from deepspeed.runtime.zero.gradients import grad_ops
+from deepspeed.runtime.zero.offload.host_worker import host_cores
+from deepspeed.runtime.zero.gradients.profiling import ds_range
+from deepspeed.runtime.zero.offload.transfers import DONE, HostTransfers, pinned
 
 STATE_VERSION = 3  # 3: columns selected, steps counted per engine.step()
 

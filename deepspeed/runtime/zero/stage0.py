@@ -2,7 +2,7 @@
 """ZeRO stage 0: replicated gradients, all-reduced in fixed-order buckets; fp32 masters for 16-bit models.
 
 The window gradient is one flat buffer in the accumulation dtype (fp32 by default),
-replicated on every rank (:class:`~deepspeed.runtime.zero.reduction.ReplicatedGeometry`).
+replicated on every rank (:class:`~deepspeed.runtime.zero.gradients.reduction.ReplicatedGeometry`).
 Outside the boundary micro-step contributions only accumulate; the boundary backward
 (unless ``no_sync``, ``coalesce_grad_reduction`` or unmanaged accumulation defers it)
 all-reduces each bucket as it completes, in bucket order. The mean's 1/W is folded into
@@ -20,11 +20,11 @@ import torch
 import deepspeed.comm as dist
 
 from deepspeed.runtime.precision.master_params import MasterParams
-from deepspeed.runtime.zero.checkpoint_stage0 import Stage0Checkpoint
-from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.checkpoint.stage0 import Stage0Checkpoint
+from deepspeed.runtime.zero.gradients import grad_ops
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as Kind
-from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.reduction import ReplicatedGeometry
+from deepspeed.runtime.zero.gradients.profiling import ds_range
+from deepspeed.runtime.zero.gradients.reduction import ReplicatedGeometry
 from deepspeed.runtime.zero.stage_base import ZeroStage, fp32_grads, trainable_groups
 from deepspeed.utils.timer import OPTIMIZER_STEP_TIMER
 

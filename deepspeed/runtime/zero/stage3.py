@@ -7,7 +7,7 @@ forward and on every backward visit (pre-backward hooks on module outputs), and
 releases it when nothing needs it; the session epilogue releases what is left.
 
 Gradients go through the gradient pipeline with one bucket per unit
-(:class:`~deepspeed.runtime.zero.reduction.UnitGeometry`): a contribution is staged into
+(:class:`~deepspeed.runtime.zero.gradients.reduction.UnitGeometry`): a contribution is staged into
 the unit's rank-major buffer (row ``r`` = every parameter's shard ``r``), a completed unit
 drops its backward hold and is reduce-scattered (in fixed unit order, once all lower
 units were) into the rank's gradient partitions. Every backward reduces, so no stale
@@ -15,7 +15,7 @@ partition outlives its window and a parameter unused in a step contributes exact
 
 Expert parameters of expert-parallel size > 1 (``deepspeed.moe`` with ``ep_size > 1``, AutoEP) differ
 across expert-parallel ranks: each is sharded over its expert-data-parallel group (its
-:class:`~deepspeed.runtime.zero.reduction_spec.ReductionSpec`, from ``deepspeed.utils.groups``), in units of
+:class:`~deepspeed.runtime.zero.gradients.reduction_spec.ReductionSpec`, from ``deepspeed.utils.groups``), in units of
 its own (``build_units`` never mixes groups), gathered and reduce-scattered over that group with the spec's
 factor, so the optimizer-visible gradient stays the mean over the global batch. The partitions of all ranks
 still cover every parameter of the model once, so the norm and the non-finite verdict, summed over the
@@ -41,28 +41,28 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.zenflow.stage_io import UnitIO
 from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
-from deepspeed.runtime.zero import grad_ops
-from deepspeed.runtime.zero.checkpoint_stage3 import Stage3Checkpoint
-from deepspeed.runtime.zero.device_share import device_ranges
-from deepspeed.runtime.zero.matrix_step import install_matrix_step, stage3_blocks
+from deepspeed.runtime.zero.gradients import grad_ops
+from deepspeed.runtime.zero.checkpoint.stage3 import Stage3Checkpoint
+from deepspeed.runtime.zero.offload.device_share import device_ranges
+from deepspeed.runtime.zero.partitions.matrix_step import install_matrix_step, stage3_blocks
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as Kind
-from deepspeed.runtime.zero.offload_step import HostStep
-from deepspeed.runtime.zero.param_fetch import ShardFetch
-from deepspeed.runtime.zero.parameter_units import UnitCoordinator, build_units
-from deepspeed.runtime.zero.partition_layout import UnitPartitionLayout
+from deepspeed.runtime.zero.offload.offload_step import HostStep
+from deepspeed.runtime.zero.offload.param_fetch import ShardFetch
+from deepspeed.runtime.zero.units.parameter_units import UnitCoordinator, build_units
+from deepspeed.runtime.zero.partitions.partition_layout import UnitPartitionLayout
 from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zero_param, partition_param,
                                                          write_shard_from_full)
 from deepspeed.runtime.precision.low_precision_masters import check_optimizer
-from deepspeed.runtime.zero.partitioned_step import (PartitionedOptimizerState, attach_step_grads, master_partition,
-                                                     point_optimizer_at)
-from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.reduction import UnitGeometry
-from deepspeed.runtime.zero.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
+from deepspeed.runtime.zero.partitions.partitioned_step import (PartitionedOptimizerState, attach_step_grads,
+                                                                master_partition, point_optimizer_at)
+from deepspeed.runtime.zero.gradients.profiling import ds_range
+from deepspeed.runtime.zero.gradients.reduction import UnitGeometry
+from deepspeed.runtime.zero.offload.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
 from deepspeed.runtime.zero.stage_base import ZeroStage, global_rank, trainable_groups
-from deepspeed.runtime.zero.transfers import DONE, pinned
-from deepspeed.runtime.zero.unit_step import UnitStep
-from deepspeed.runtime.zero.quantized_reduce import QuantizedReduceScatter, qgz_node_size
-from deepspeed.runtime.zero.unit_fetch import UnitFetchPlan
+from deepspeed.runtime.zero.offload.transfers import DONE, pinned
+from deepspeed.runtime.zero.offload.unit_step import UnitStep
+from deepspeed.runtime.zero.gradients.quantized_reduce import QuantizedReduceScatter, qgz_node_size
+from deepspeed.runtime.zero.units.unit_fetch import UnitFetchPlan
 from deepspeed.utils.node_axis import build_node_axis
 from deepspeed.utils.groups import EXPERT_GROUP_PREFIX
 from deepspeed.utils.timer import OPTIMIZER_STEP_TIMER
@@ -263,7 +263,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     def _quantize_frozen(self, units, all_params, group_of):
         """The :class:`FrozenQuantStore` of the frozen shards; the 16-bit frozen partition is freed."""
-        from deepspeed.runtime.zero.frozen_quant import FrozenQuantStore
+        from deepspeed.runtime.zero.units.frozen_quant import FrozenQuantStore
         loose = [p for p in all_params if p.requires_grad and p not in group_of]
         if loose:
             raise NotImplementedError("zero_optimization.zero_quantized_nontrainable_weights quantizes the frozen "
@@ -672,4 +672,4 @@ def check_expert_support(config, group_names):
 
 # The class of the optimizer deepspeed.initialize returns for stage 3 (what isinstance checks see).
 from deepspeed.runtime.returned_optimizers import DeepSpeedZeroOptimizer_Stage3  # noqa: E402,F401
-from deepspeed.runtime.zero.generation import unwrap_model_for_generation  # noqa: E402,F401
+from deepspeed.runtime.zero.units.generation import unwrap_model_for_generation  # noqa: E402,F401

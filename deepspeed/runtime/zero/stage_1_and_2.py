@@ -4,7 +4,7 @@
 Both stages use the flat, rank-divisible layout of :mod:`partition_layout`: rank ``r``
 owns chunk ``r`` of every bucket, and its gradient partition, fp32 master partition and
 optimizer state are the concatenation of its chunks (per param group). The gradient
-pipeline (:class:`~deepspeed.runtime.zero.reduction.PartitionGeometry`) stages each
+pipeline (:class:`~deepspeed.runtime.zero.gradients.reduction.PartitionGeometry`) stages each
 contribution, with its factor, into a full-size bucket and reduce-scatters complete
 buckets into the rank's gradient partitions:
 
@@ -28,19 +28,19 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zenflow.config import window_on_device
 from deepspeed.runtime.zenflow.stage_io import PartitionedIO
 from deepspeed.runtime.zenflow.zenflow_step import ZenFlowStep
-from deepspeed.runtime.zero import grad_ops
-from deepspeed.runtime.zero.checkpoint_partitioned import PartitionedCheckpoint
-from deepspeed.runtime.zero.matrix_step import install_matrix_step, stage12_blocks
+from deepspeed.runtime.zero.gradients import grad_ops
+from deepspeed.runtime.zero.checkpoint.partitioned import PartitionedCheckpoint
+from deepspeed.runtime.zero.partitions.matrix_step import install_matrix_step, stage12_blocks
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as Kind
-from deepspeed.runtime.zero.offload_step import HostStep
-from deepspeed.runtime.zero.piece_waits import PieceWaits
-from deepspeed.runtime.zero.partition_layout import PartitionedLayout
+from deepspeed.runtime.zero.offload.offload_step import HostStep
+from deepspeed.runtime.zero.offload.piece_waits import PieceWaits
+from deepspeed.runtime.zero.partitions.partition_layout import PartitionedLayout
 from deepspeed.runtime.precision.low_precision_masters import check_optimizer
-from deepspeed.runtime.zero.partitioned_step import (PartitionedOptimizerState, attach_step_grads, master_partition,
-                                                     point_optimizer_at)
-from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.reduction import PartitionGeometry
-from deepspeed.runtime.zero.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
+from deepspeed.runtime.zero.partitions.partitioned_step import (PartitionedOptimizerState, attach_step_grads,
+                                                                master_partition, point_optimizer_at)
+from deepspeed.runtime.zero.gradients.profiling import ds_range
+from deepspeed.runtime.zero.gradients.reduction import PartitionGeometry
+from deepspeed.runtime.zero.offload.speculative_step import NEEDS_PIPELINED_STEP, SpeculativeStep
 from deepspeed.runtime.zero.stage_base import ZeroStage, global_rank, trainable_groups
 from deepspeed.utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER
 

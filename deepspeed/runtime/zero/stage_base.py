@@ -5,7 +5,7 @@ A stage is built from a :class:`~deepspeed.runtime.zero.stages.StageConfig` and 
 accumulation clock (the engine's :class:`~deepspeed.runtime.accumulation.AccumulationWindow`)
 and owns:
 
-* ``pipeline``: the :class:`~deepspeed.runtime.zero.grad_pipeline.GradPipeline` the backward
+* ``pipeline``: the :class:`~deepspeed.runtime.zero.gradients.grad_pipeline.GradPipeline` the backward
   session hands this engine's gradients to, with the stage's geometry and reduction policy
   (stages 0 and 1 reduce in the boundary backward, stages 2 and 3 in every backward; none
   while reduction is deferred);
@@ -28,11 +28,12 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.precision.overflow import agreed_overflow
-from deepspeed.runtime.zero import grad_ops, host_math
+from deepspeed.runtime.zero.gradients import grad_ops
+from deepspeed.runtime.zero.offload import host_math
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as Kind
-from deepspeed.runtime.zero.grad_pipeline import GradPipeline
-from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.reduction_spec import ReductionPlan
+from deepspeed.runtime.zero.gradients.grad_pipeline import GradPipeline
+from deepspeed.runtime.zero.gradients.profiling import ds_range
+from deepspeed.runtime.zero.gradients.reduction_spec import ReductionPlan
 
 
 class _Timed:

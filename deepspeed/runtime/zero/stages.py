@@ -15,7 +15,7 @@ import torch
 
 from deepspeed.runtime.precision.low_precision_masters import master_dtype
 from deepspeed.runtime.zenflow.config import check_zenflow_stage
-from deepspeed.runtime.zero.zeropp import ZeroPP, check_zeropp
+from deepspeed.runtime.zero.units.zeropp import ZeroPP, check_zeropp
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from deepspeed.ops.native import forget_errors, load_error
 from deepspeed.ops.op_builder import builder as builder_module
 from deepspeed.ops.op_builder import ALL_OPS, BUILT_BUILDERS, CPUAdamBuilder, GradOpsBuilder, OpBuilder
 from deepspeed.ops.op_builder import prebuild_selection
-from deepspeed.runtime.zero import grad_ops
+from deepspeed.runtime.zero.gradients import grad_ops
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -39,7 +39,7 @@ def _config(stage, **extra):
 
 def wrong_state_hooks(stage):
     import deepspeed
-    from deepspeed.runtime.zero.grad_pipeline import BucketState, PipelineStateError
+    from deepspeed.runtime.zero.gradients.grad_pipeline import BucketState, PipelineStateError
     from tests.unit.contract.models import ToyNet, lm_loss, make_batch
     torch.manual_seed(0)
     engine = deepspeed.initialize(model=ToyNet(), config=_config(stage))[0]

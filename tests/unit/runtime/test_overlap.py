@@ -14,7 +14,7 @@ from tests.unit.common import run_distributed
 
 def launched_before_epilogue(stage):
     import deepspeed
-    from deepspeed.runtime.zero.grad_pipeline import BucketState
+    from deepspeed.runtime.zero.gradients.grad_pipeline import BucketState
     from tests.unit.contract.models import ToyNet, lm_loss, make_batch
     torch.manual_seed(0)
     cfg = {

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from deepspeed.runtime.zero.transfers import DONE, PinnedRing
+from deepspeed.runtime.zero.offload.transfers import DONE, PinnedRing
 from tests.unit.common import run_distributed
 from tests.unit.sweep.run import build_mlp, make_batch, mse
 

@@ -164,7 +164,7 @@ def _train(case, model, overlap, **config):
     """Train a copy of ``model``; per step the losses, the full 16-bit parameters, fp32 masters and moments."""
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.runtime.zero.step_pipeline import StepPipeline
+    from deepspeed.runtime.zero.offload.step_pipeline import StepPipeline
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     rank = dist.get_rank()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case["dtype"]]

@@ -23,7 +23,7 @@ from torch import nn
 
 from deepspeed.runtime.zenflow.selection import ColumnSelection, columns_selected
 from deepspeed.runtime.zenflow.stage_io import partitioned_pieces
-from deepspeed.runtime.zero.partition_layout import PartitionedLayout
+from deepspeed.runtime.zero.partitions.partition_layout import PartitionedLayout
 
 
 def mlp(widths):

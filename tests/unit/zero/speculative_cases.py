@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from deepspeed.runtime.zero.step_pipeline import StepPipeline
+from deepspeed.runtime.zero.offload.step_pipeline import StepPipeline
 
 MODEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

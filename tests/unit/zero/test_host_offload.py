@@ -10,9 +10,9 @@ one on a GPU.
 import pytest
 import torch
 
-from deepspeed.runtime.zero import host_math
-from deepspeed.runtime.zero.host_fold import HostFolder
-from deepspeed.runtime.zero.host_worker import HostWorker
+from deepspeed.runtime.zero.offload import host_math
+from deepspeed.runtime.zero.offload.host_fold import HostFolder
+from deepspeed.runtime.zero.offload.host_worker import HostWorker
 
 
 def test_folder_copies_first_adds_after_and_zeroes_unwritten_pieces():

@@ -17,7 +17,7 @@ import torch
 
 import deepspeed
 from deepspeed.ops.adam import host_adam
-from deepspeed.runtime.zero.step_pipeline import StepPipeline
+from deepspeed.runtime.zero.offload.step_pipeline import StepPipeline
 from tests.unit.common import run_distributed
 
 pytestmark = pytest.mark.skipif(host_adam.host_adam_op() is None, reason="the host Adam op cannot be built here")

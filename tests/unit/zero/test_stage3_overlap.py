@@ -3,7 +3,7 @@
 
 With the pipelined host step, ``engine.step()`` on ZeRO-3 returns while the host worker steps the units'
 pieces in the next forward's gather order, and each unit's gather waits only for the pieces covering its
-shards (``deepspeed/runtime/zero/unit_step.py``). The reference is ``DS_OFFLOAD_OVERLAP=0``: the whole
+shards (``deepspeed/runtime/zero/offload/unit_step.py``). The reference is ``DS_OFFLOAD_OVERLAP=0``: the whole
 partition stepped by ``DeepSpeedCPUAdam``, clipping in a pass of its own, the 16-bit shards written (or
 uploaded) before ``step()`` returns. Every piece is slowed on purpose (``StepPipeline.piece_delay``), so a
 gather that did not wait for its pieces would read stale shards and the losses would differ.
@@ -17,8 +17,8 @@ import torch
 
 import deepspeed
 from deepspeed.ops.adam import host_adam
-from deepspeed.runtime.zero import grad_ops
-from deepspeed.runtime.zero.step_pipeline import StepPipeline
+from deepspeed.runtime.zero.gradients import grad_ops
+from deepspeed.runtime.zero.offload.step_pipeline import StepPipeline
 from tests.unit.common import run_distributed
 
 pytestmark = pytest.mark.skipif(host_adam.host_adam_op() is None, reason="the host Adam op cannot be built here")

@@ -28,7 +28,7 @@ from tests.unit.common import run_distributed
 
 # ----------------------------------------------------------------------------------------- block quantization
 def _block_bound(x, bits, block):
-    from deepspeed.runtime.zero import block_quant as bq
+    from deepspeed.runtime.zero.gradients import block_quant as bq
     rows, numel = x.shape
     blocks = bq.num_blocks(numel, block)
     padded = torch.nn.functional.pad(x.float(), (0, blocks * block - numel)).view(rows, blocks, block)
@@ -38,7 +38,7 @@ def _block_bound(x, bits, block):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_block_quant_round_trip(bits):
-    from deepspeed.runtime.zero import block_quant as bq
+    from deepspeed.runtime.zero.gradients import block_quant as bq
     gen = torch.Generator().manual_seed(7 + bits)
     shapes = [(1, 1, 2), (1, 1, 512), (3, 7, 4), (2, 4097, 4096), (1, 513, 512)]
     for _ in range(4):
@@ -67,8 +67,8 @@ def test_block_quant_round_trip(bits):
 
 def _qgz_case(h, numel):
     """QuantizedReduceScatter against the exact sum: every element within its bound (module docstring)."""
-    from deepspeed.runtime.zero import block_quant as bq
-    from deepspeed.runtime.zero.quantized_reduce import QuantizedReduceScatter
+    from deepspeed.runtime.zero.gradients import block_quant as bq
+    from deepspeed.runtime.zero.gradients.quantized_reduce import QuantizedReduceScatter
     from deepspeed.utils.node_axis import build_node_axis
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     inputs = [
@@ -269,7 +269,7 @@ def _unit_rows(world):
     "zero_quantized_gradients": True
 })])
 def test_qwz_qgz_bytes_and_loss(world, zero):
-    from deepspeed.runtime.zero import block_quant as bq
+    from deepspeed.runtime.zero.gradients import block_quant as bq
     steps = 50 if world == 4 else 25  # world 4 runs both of qgZ's hops and hpZ too
     results = run_distributed(_quant_case, world_size=world, args=(zero, steps), timeout=300)
     exact_losses, quant_losses, exact_rec, quant_rec = results[0]
@@ -354,7 +354,7 @@ def test_block_quant_native_matches_torch():
     CPU engine unless DS_NATIVE_BLOCK_QUANT=0, for a GPU engine only with DS_NATIVE_BLOCK_QUANT=1."""
     from deepspeed.ops import block_quant_native as native
     from deepspeed.ops.op_builder import builder as builder_module
-    from deepspeed.runtime.zero import block_quant as bq
+    from deepspeed.runtime.zero.gradients import block_quant as bq
     if builder_module.cxx_compiler() is None:  # then the op cannot load and the reference stays
         assert native.load() is None and not native.register("cpu", {})
         return

@@ -221,7 +221,7 @@ def test_refusals():
     message = run_distributed(_loose_refused, world_size=1)[0]
     assert message and "zero_quantized_nontrainable_weights" in message and "optimizer" in message
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from deepspeed.runtime.zero.zeropp import check_zeropp
+    from deepspeed.runtime.zero.units.zeropp import check_zeropp
     for device in ("cpu", "nvme"):
         zero = DeepSpeedZeroConfig(stage=3,
                                    zero_quantized_nontrainable_weights=True,
@@ -396,7 +396,7 @@ def _qwz_case():
 
 
 def test_with_qwz():
-    from deepspeed.runtime.zero import block_quant as bq
+    from deepspeed.runtime.zero.gradients import block_quant as bq
     records, rows = run_distributed(_qwz_case, world_size=2, timeout=180)[0]
     want = set()
     for trainable, frozen in rows:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepspeed.runtime.zero import block_quant
+from deepspeed.runtime.zero.gradients import block_quant
 
 BITS = 8
 BLOCK = block_quant.WEIGHT_BLOCK

@@ -12,7 +12,7 @@ partitions, and keeps the device and the caller's thread running meanwhile:
   transfer stream: no host work at all;
 * every other fold copies the chunk, on the transfer stream, into a buffer of a bounded
   ring of pinned buffers, and queues ``piece += buffer`` (or ``piece.copy_(buffer)``) on a
-  :class:`~deepspeed.runtime.zero.host_worker.HostWorker` thread, which waits for that copy
+  :class:`~deepspeed.runtime.zero.offload.host_worker.HostWorker` thread, which waits for that copy
   and adds while the device goes on with the backward. A ring buffer is reused only after
   its add completed, so pinned memory stays bounded (``ring_count`` x ``ring_numel``);
 * direct copies in flight are bounded too (``max_pending``): each keeps its device chunk
@@ -38,9 +38,9 @@ from collections import deque
 
 import torch
 
-from deepspeed.runtime.zero.host_worker import HostWorker, host_cores
-from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.transfers import DONE, HostTransfers, PinnedRing, is_page_locked
+from deepspeed.runtime.zero.offload.host_worker import HostWorker, host_cores
+from deepspeed.runtime.zero.gradients.profiling import ds_range
+from deepspeed.runtime.zero.offload.transfers import DONE, HostTransfers, PinnedRing, is_page_locked
 
 # Ring of pinned buffers for chunks that are added on the host: count, and elements per buffer (a cap;
 # smaller when no chunk is that large). 32 x 32 MiB lets the copies of several buckets run ahead of the
@@ -112,7 +112,7 @@ class HostFolder:
     def fold(self, piece, chunk):
         """``piece += chunk`` (``piece`` on the host, ``chunk`` anywhere), complete by the next :meth:`settle`.
 
-        Returns the :class:`~deepspeed.runtime.zero.transfers.Transfer` after which ``chunk`` was read:
+        Returns the :class:`~deepspeed.runtime.zero.offload.transfers.Transfer` after which ``chunk`` was read:
         the caller may drop ``chunk`` at once (its memory is recorded on the transfer stream), but
         must make the device wait for it (``wait_stream()``) before writing into ``chunk`` again.
         """

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Geometries of the gradient pipeline: where a bucket is staged, how it is reduced, where it is folded.
 
-A geometry gives :class:`~deepspeed.runtime.zero.grad_pipeline.GradPipeline` its buckets
+A geometry gives :class:`~deepspeed.runtime.zero.gradients.grad_pipeline.GradPipeline` its buckets
 and five operations; the pipeline decides *when* (readiness, order, bounds), the geometry
 *where* and *how*:
 
@@ -34,14 +34,14 @@ Three geometries, one per kind of stage:
   once per window, by :meth:`UnitGeometry.reduce_replicas` (unit boundaries may differ between
   tensor-parallel ranks, whose cut parameters differ in size; the replicated shards do not).
 
-Each bucket carries the :class:`~deepspeed.runtime.zero.reduction_spec.ReductionSpec` of its
-parameters (``reduction``, a :class:`~deepspeed.runtime.zero.reduction_spec.ReductionPlan`): a
+Each bucket carries the :class:`~deepspeed.runtime.zero.gradients.reduction_spec.ReductionSpec` of its
+parameters (``reduction``, a :class:`~deepspeed.runtime.zero.gradients.reduction_spec.ReductionPlan`): a
 bucket holds parameters of one spec only and is reduced (and, stages 1 and 2, partitioned) over
 its spec's group, so that dense and expert parameters go through one pipeline, each over its
 own group. The default plan has one spec, the geometry's ``group``.
 
 Partitions may live on the host (optimizer offload, ``part_device`` given): folding then goes
-through a :class:`~deepspeed.runtime.zero.host_fold.HostFolder` (device-to-host copies on a side
+through a :class:`~deepspeed.runtime.zero.offload.host_fold.HostFolder` (device-to-host copies on a side
 stream, host adds on a worker thread, lazy zeroing), and :meth:`_Geometry.partitions` settles it
 first, so whoever reads the partitions sees the complete window gradient.
 """
@@ -50,13 +50,13 @@ import torch
 import torch.nn.functional as F
 
 import deepspeed.comm as dist
-from deepspeed.runtime.zero import grad_ops
-from deepspeed.runtime.zero.grad_buffer import FlatLayout
-from deepspeed.runtime.zero.grad_pipeline import GradBucket, GradSlot
-from deepspeed.runtime.zero.host_fold import HostFolder
-from deepspeed.runtime.zero.reduction_spec import ReductionPlan
-from deepspeed.runtime.zero.transfers import DONE, pinned
-from deepspeed.runtime.zero.transport import DEFAULT_TRANSPORT
+from deepspeed.runtime.zero.gradients import grad_ops
+from deepspeed.runtime.zero.gradients.grad_buffer import FlatLayout
+from deepspeed.runtime.zero.gradients.grad_pipeline import GradBucket, GradSlot
+from deepspeed.runtime.zero.offload.host_fold import HostFolder
+from deepspeed.runtime.zero.gradients.reduction_spec import ReductionPlan
+from deepspeed.runtime.zero.offload.transfers import DONE, pinned
+from deepspeed.runtime.zero.gradients.transport import DEFAULT_TRANSPORT
 
 
 class Flight:
@@ -401,7 +401,7 @@ class PartitionGeometry(_Geometry):
 class UnitGeometry(_Geometry):
     """Stage 3: one rank-major reduce-scatter per parameter unit (module docstring).
 
-    ``units`` are the stage's :class:`~deepspeed.runtime.zero.parameter_units.ParamUnit`; the
+    ``units`` are the stage's :class:`~deepspeed.runtime.zero.units.parameter_units.ParamUnit`; the
     partition layout gives each parameter's group and offset in its group partition.
     """
 

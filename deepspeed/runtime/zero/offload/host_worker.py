@@ -8,7 +8,7 @@ kernels, so a worker adding gradients on the host runs beside a Python thread th
 drives the backward.
 
 Each :meth:`HostWorker.submit` returns a :class:`HostTask`, which has the interface of a
-copy's :class:`~deepspeed.runtime.zero.transfers.Transfer` (``synchronize()``, ``done()``), so
+copy's :class:`~deepspeed.runtime.zero.offload.transfers.Transfer` (``synchronize()``, ``done()``), so
 a pinned buffer can be marked in use until a host task that reads it completed. An
 exception raised by a task is kept and raised again, on the caller's thread, by the
 next ``synchronize()`` of that task or by :meth:`HostWorker.drain`; the tasks after it

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Speculative offloaded steps (``offload_optimizer.super_offload``, ZeRO stages 1, 2 and 3).
 
-The exact pipelined step (:mod:`~deepspeed.runtime.zero.step_pipeline`) cannot start before ``engine.step()``:
+The exact pipelined step (:mod:`~deepspeed.runtime.zero.offload.step_pipeline`) cannot start before ``engine.step()``:
 clipping and the fp16 overflow check need the global gradient norm, which needs every gradient. A speculative
 step starts earlier, betting that the step will neither clip nor overflow:
 
@@ -55,9 +55,9 @@ import time
 import torch
 
 from deepspeed.ops.adam import host_adam
-from deepspeed.runtime.zero.grad_pipeline import Phase
-from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.step_pipeline import StepPiece, StepPipeline
+from deepspeed.runtime.zero.gradients.grad_pipeline import Phase
+from deepspeed.runtime.zero.gradients.profiling import ds_range
+from deepspeed.runtime.zero.offload.step_pipeline import StepPiece, StepPipeline
 from deepspeed.utils.logging import logger
 
 REASONS = ("clip", "overflow", "scalars", "regradient", "read", "discarded", "error")

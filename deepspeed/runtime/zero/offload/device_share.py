@@ -22,7 +22,7 @@ which copies them down, and the next step uploads them again (a reader may have 
 
 import torch
 
-from deepspeed.runtime.zero.profiling import ds_range
+from deepspeed.runtime.zero.gradients.profiling import ds_range
 
 SLICE = 1 << 25  # elements of gradient staged on the device at a time
 
@@ -52,7 +52,7 @@ class DeviceRange:
 
 
 class DeviceShare:
-    """The device-resident ranges of one :class:`~deepspeed.runtime.zero.offload_step.HostStep`."""
+    """The device-resident ranges of one :class:`~deepspeed.runtime.zero.offload.offload_step.HostStep`."""
 
     def __init__(self, host_step, ranges, device):
         self.host_step = host_step

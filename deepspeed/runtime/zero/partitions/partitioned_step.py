@@ -4,7 +4,7 @@ by ZeRO stages 1, 2 and 3."""
 
 import torch
 
-from deepspeed.runtime.zero.transfers import pinned
+from deepspeed.runtime.zero.offload.transfers import pinned
 
 
 def master_partition(values, grad, pin_memory):

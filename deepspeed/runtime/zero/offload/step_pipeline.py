@@ -37,9 +37,9 @@ import time
 import torch
 
 from deepspeed.ops.adam import host_adam
-from deepspeed.runtime.zero.host_worker import HostWorker
-from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.transfers import DONE, synchronous_copies
+from deepspeed.runtime.zero.offload.host_worker import HostWorker
+from deepspeed.runtime.zero.gradients.profiling import ds_range
+from deepspeed.runtime.zero.offload.transfers import DONE, synchronous_copies
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -79,7 +79,8 @@ class _Launch:
 
 
 class StepPipeline:
-    """Pipelined host steps of one :class:`~deepspeed.runtime.zero.offload_step.HostStep` (module docstring)."""
+    """Pipelined host steps of one :class:`~deepspeed.runtime.zero.offload.offload_step.HostStep` (module
+    docstring)."""
 
     piece_delay = 0.0  # seconds slept before each piece (tests)
 

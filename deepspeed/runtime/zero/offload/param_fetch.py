@@ -4,7 +4,7 @@
 With ``offload_param`` the 16-bit shards live on the host. A gather (or a prefetch: the
 coordinator launches the next unit's gather while the current one computes) needs the
 rank's row of the unit on the device first. :class:`ShardFetch` issues that copy on a
-side stream and returns its :class:`~deepspeed.runtime.zero.transfers.Transfer`; the unit's
+side stream and returns its :class:`~deepspeed.runtime.zero.offload.transfers.Transfer`; the unit's
 all-gather is launched behind it on the same stream and the compute stream waits only
 when it uses the gathered parameters, so the copy of the next unit overlaps the current
 unit's compute.
@@ -22,8 +22,8 @@ copies that read them (:meth:`ShardFetch.synchronize`).
 
 import torch
 
-from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.transfers import DONE, HostTransfers, PinnedRing, is_page_locked
+from deepspeed.runtime.zero.gradients.profiling import ds_range
+from deepspeed.runtime.zero.offload.transfers import DONE, HostTransfers, PinnedRing, is_page_locked
 
 
 class ShardFetch:

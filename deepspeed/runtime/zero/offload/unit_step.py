@@ -30,8 +30,8 @@ folds of the next backward, accessors, checkpoints, ``state_dict``, ``GatheredPa
 
 import torch
 
-from deepspeed.runtime.zero.step_pipeline import StepPiece
-from deepspeed.runtime.zero.transfers import DONE, Transfer
+from deepspeed.runtime.zero.offload.step_pipeline import StepPiece
+from deepspeed.runtime.zero.offload.transfers import DONE, Transfer
 
 
 class UnitStep:

@@ -54,9 +54,9 @@ from deepspeed.runtime.backward import registry
 from deepspeed.runtime.backward.ownership import tensors_in
 from deepspeed.runtime.zero.parameter_offload import ensure_zero_ordered_dict, restore_parameters_dict
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, init_external_params
-from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.transport import wait
-from deepspeed.runtime.zero.unit_fetch import UnitFetchPlan
+from deepspeed.runtime.zero.gradients.profiling import ds_range
+from deepspeed.runtime.zero.gradients.transport import wait
+from deepspeed.runtime.zero.units.unit_fetch import UnitFetchPlan
 from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
 # Units past the prefetched one whose shards a read-ahead callback is given (NVMe parameter offload reads them).
@@ -109,7 +109,7 @@ class UnitCoordinator:
     modules joins it (so its epilogue releases what that backward gathered).
     ``send_chunk(unit, out)`` returns ``(row, ready)``: this rank's row of ``unit`` in the model dtype, on the
     device (written into ``out`` when given, a device tensor of ``unit.chunk`` elements), once ``ready`` (a
-    :class:`~deepspeed.runtime.zero.transfers.Transfer`) completed.
+    :class:`~deepspeed.runtime.zero.offload.transfers.Transfer`) completed.
     """
 
     def __init__(self, module, units, send_chunk_fn, pipeline, group, device, fetch=None, read_ahead=None):

@@ -49,8 +49,8 @@ from typing import Optional
 
 import torch
 
-from deepspeed.runtime.zero import transport as transport_mod
-from deepspeed.runtime.zero.profiling import ds_range
+from deepspeed.runtime.zero.gradients import transport as transport_mod
+from deepspeed.runtime.zero.gradients.profiling import ds_range
 from deepspeed.utils.timer import BACKWARD_REDUCE_GLOBAL_TIMER
 
 # Pending (not yet copied-in) gradient elements per bucket before a partial copy-in.
@@ -120,7 +120,7 @@ class GradPipeline:
 
     ``reduce_now()`` says whether a backward starting now runs a pass; ``gas_fn()`` gives the
     engine's GAS (the session scales by it). With ``average`` the mean's ``1/divisor`` of each
-    bucket's :class:`~deepspeed.runtime.zero.reduction_spec.ReductionSpec` (``1/W`` for a plain
+    bucket's :class:`~deepspeed.runtime.zero.gradients.reduction_spec.ReductionSpec` (``1/W`` for a plain
     data-parallel bucket) is folded into its contributions' factor, so that a reduction is a plain
     sum. ``on_bucket_complete(bucket)`` runs when a bucket received every contribution of a
     backward, ``on_backward_end(reduced)`` after each backward's epilogue (``reduced``: it ran a

@@ -19,7 +19,7 @@ the masters and the optimizer state on the host:
 Before the step writes the targets again, the host waits for the copies that read them
 (a buffer an asynchronous copy reads must not change under it).
 
-Pipelined (:mod:`~deepspeed.runtime.zero.step_pipeline`, with ``DeepSpeedCPUAdam`` on the host op):
+Pipelined (:mod:`~deepspeed.runtime.zero.offload.step_pipeline`, with ``DeepSpeedCPUAdam`` on the host op):
 :meth:`step_and_gather` steps the partition bucket by bucket in the order the next forward needs them,
 uploads (and all-gathers) each bucket as soon as it is stepped, applies the clipping coefficient as the
 op reads the gradient, and on one rank may return before the last bucket is stepped (each module's
@@ -37,12 +37,12 @@ import inspect
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.runtime.zero import grad_ops
-from deepspeed.runtime.zero.device_share import DeviceShare
-from deepspeed.runtime.zero.host_worker import cores_for, threads
-from deepspeed.runtime.zero.profiling import ds_range
-from deepspeed.runtime.zero.step_pipeline import StepPiece, StepPipeline
-from deepspeed.runtime.zero.transfers import DONE, HostTransfers, pinned_empty
+from deepspeed.runtime.zero.gradients import grad_ops
+from deepspeed.runtime.zero.offload.device_share import DeviceShare
+from deepspeed.runtime.zero.offload.host_worker import cores_for, threads
+from deepspeed.runtime.zero.gradients.profiling import ds_range
+from deepspeed.runtime.zero.offload.step_pipeline import StepPiece, StepPipeline
+from deepspeed.runtime.zero.offload.transfers import DONE, HostTransfers, pinned_empty
 
 # Why a step is not pipelined, for the errors of what needs it (``what``; ``instead``: the way out).
 NEEDS_PIPELINE = ("{what} needs the pipelined host step: DeepSpeedCPUAdam (optimizer type Adam or AdamW without "

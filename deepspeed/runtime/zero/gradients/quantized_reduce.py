@@ -31,8 +31,8 @@ import os
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.runtime.zero import block_quant
-from deepspeed.runtime.zero.transport import CommTransport
+from deepspeed.runtime.zero.gradients import block_quant
+from deepspeed.runtime.zero.gradients.transport import CommTransport
 
 
 class QuantizedReduceScatter(CommTransport):

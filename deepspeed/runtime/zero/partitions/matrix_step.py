@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.runtime.zero.profiling import ds_range
+from deepspeed.runtime.zero.gradients.profiling import ds_range
 
 # Stage 3: elements per rank in one block of a Muon group (whole parameters' shards; at least one parameter).
 STAGE3_BLOCK_NUMEL = 1 << 24
@@ -133,8 +133,8 @@ def _check_matrix(param, shape):
 
 
 def stage12_blocks(layout, muon_groups):
-    """Blocks of a :class:`~deepspeed.runtime.zero.partition_layout.PartitionedLayout`: one per bucket of a Muon
-    group (a bucket holds whole parameters; each is one range of the gathered bucket)."""
+    """Blocks of a :class:`~deepspeed.runtime.zero.partitions.partition_layout.PartitionedLayout`: one per bucket of a
+    Muon group (a bucket holds whole parameters; each is one range of the gathered bucket)."""
     blocks = [[] for _ in range(layout.num_groups)]
     index = 0
     for bucket in layout.buckets:
@@ -153,8 +153,9 @@ def stage12_blocks(layout, muon_groups):
 
 
 def stage3_blocks(layout, muon_groups, block_numel=STAGE3_BLOCK_NUMEL):
-    """Blocks of a :class:`~deepspeed.runtime.zero.partition_layout.UnitPartitionLayout`: runs of whole parameters'
-    shards (about ``block_numel`` per rank); a parameter's elements are its shard on each rank, in rank order."""
+    """Blocks of a :class:`~deepspeed.runtime.zero.partitions.partition_layout.UnitPartitionLayout`: runs of whole
+    parameters' shards (about ``block_numel`` per rank); a parameter's elements are its shard on each rank, in rank
+    order."""
     world = layout.world_size
     blocks = [[] for _ in range(layout.num_groups)]
     by_group = {}

@@ -25,7 +25,7 @@ from deepspeed.runtime.checkpoint import paths
 from deepspeed.runtime.checkpoint.model_state import buffer_names, persistent_buffers
 from deepspeed.runtime.checkpoint.stage3_state import LAYOUT3_KEY, same_zero3_layout
 from deepspeed.runtime.checkpoint.stage_checkpoint import STAGE_EXTRA_KEY, FlatMastersCheckpoint
-from deepspeed.runtime.zero.frozen_quant import load_packed_state, packed_state
+from deepspeed.runtime.zero.units.frozen_quant import load_packed_state, packed_state
 from deepspeed.runtime.zero.partition_parameters import write_shard_from_full
 
 

@@ -25,8 +25,8 @@ one uses the primary partition (and keeps a secondary shard for the next).
 
 import torch
 
-from deepspeed.runtime.zero import block_quant
-from deepspeed.runtime.zero.transport import DEFAULT_TRANSPORT, CommTransport
+from deepspeed.runtime.zero.gradients import block_quant
+from deepspeed.runtime.zero.gradients.transport import DEFAULT_TRANSPORT, CommTransport
 
 
 class RawWire:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from deepspeed.runtime.zero.host_worker import host_cores
+from deepspeed.runtime.zero.offload.host_worker import host_cores
 
 CHUNK = 1 << 22  # elements per task
 PARALLEL_MIN = 1 << 24  # below this many elements, one torch call is as fast
