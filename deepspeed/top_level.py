@@ -3,7 +3,7 @@
 
 ``deepspeed.__getattr__`` raises ``AttributeError`` naming the feature for each (so ``hasattr`` is False and
 ``from deepspeed import X`` fails with the reason); every other name of upstream 0.19.8's ``dir(deepspeed)``
-(:data:`deepspeed.runtime.engine_names.TOP_LEVEL`) is an attribute of the package.
+(:data:`deepspeed.runtime.engine_parts.names.TOP_LEVEL`) is an attribute of the package.
 """
 
 NOT_BUILT = {

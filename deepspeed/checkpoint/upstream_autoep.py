@@ -18,7 +18,7 @@ The facts of upstream's format this relies on (written on CPU/gloo with upstream
 
 This package keeps the model's block and stacks the experts as ``gate_up_proj [E, 2F, H]`` (gate rows first) and
 ``down_proj [E, H, F]``. The functions below give every expert parameter under this package's name with all
-``E`` experts stacked (global order); ``runtime/expert_checkpoint.localize_global_experts`` cuts out each rank's.
+``E`` experts stacked (global order); ``runtime.checkpoint.expert.localize_global_experts`` cuts out each rank's.
 Expert-data-parallel groups of more than one rank raise NotImplementedError naming it.
 """
 

@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from .config_audit import audit_config
+from .configuration.audit import audit_config
 from .config_utils import (ConfigDict, ConfigSection, DeepSpeedConfigError, boolean, config_field, dtype, integer,
                            load_config, logger, mapping, number, one_of, optional, raise_on_auto_values,
                            drop_default_autos, section, size, string, string_list)
@@ -33,7 +33,7 @@ from .precision.config import (DeepSpeedBF16Config, DeepSpeedFP16Config, bfloat1
                                get_float16_config)
 from .zero.config import DeepSpeedZeroConfig, ZeroStageEnum, get_zero_config
 # Upstream's module also carries every key name and its raw-dict readers.
-from .config_getters import *  # noqa: E402,F401,F403
+from .configuration.getters import *  # noqa: E402,F401,F403
 from .constants import *  # noqa: E402,F401,F403
 
 EIGENVALUE = "eigenvalue"
@@ -359,7 +359,7 @@ class DeepSpeedConfig:
             resolve_batch_sizes(top.train_batch_size, top.train_micro_batch_size_per_gpu,
                                 top.gradient_accumulation_steps, self.world_size))
         self._check_cross_section_rules()
-        audit_config(self)  # upstream's keys this runtime does not act on: raise or warn (config_audit.py)
+        audit_config(self)  # upstream's keys this runtime does not act on: raise or warn (configuration/audit.py)
 
     @staticmethod
     def _warn_unknown_top_level_keys(param_dict: dict) -> None:
@@ -496,7 +496,7 @@ class DeepSpeedConfig:
             raise DeepSpeedConfigError(f"config keys 'fp16.enabled' and '{self._bf16_section}.enabled' are both "
                                        "true; enable at most one of them")
         stage = self.zero_optimization_stage
-        from deepspeed.runtime.compile_config import parse_compile_section
+        from deepspeed.runtime.configuration.compile import parse_compile_section
         self.compile_settings = parse_compile_section(self._param_dict.get("compile"), stage)
         from deepspeed.moe.autoep_config import AutoEPConfig
         self.expert_parallel_config = AutoEPConfig.from_section(self._param_dict.get("expert_parallel"))

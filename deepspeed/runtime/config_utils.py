@@ -515,8 +515,8 @@ class DeepSpeedConfigObject:
 
 def __getattr__(name):
     # DeepSpeedConfigModel needs pydantic, which only code written against upstream's sections uses: it is
-    # imported on first use of the name (see config_model.py).
+    # imported on first use of the name (see configuration/model.py).
     if name == "DeepSpeedConfigModel":
-        from .config_model import DeepSpeedConfigModel
+        from .configuration.model import DeepSpeedConfigModel
         return DeepSpeedConfigModel
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

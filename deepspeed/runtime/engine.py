@@ -4,7 +4,7 @@
 The engine is a conductor. It holds no gradient state: gradients live in the ZeRO
 stage's gradient pipeline, the state of one backward lives in its session, the loss
 scale in the scaler, the boundary step in :class:`EngineOptimizer`, where the window
-ends in the :class:`~deepspeed.runtime.accumulation.AccumulationWindow` (native,
+ends in the :class:`~deepspeed.runtime.engine_parts.accumulation.AccumulationWindow` (native,
 Accelerate and unmanaged protocols; ``no_sync`` and ``coalesce_grad_reduction``). What
 the engine keeps is the step protocol's counters.
 """
@@ -20,28 +20,30 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.ops import grad_ops_native
 from deepspeed.moe import autoep
 from deepspeed.moe.utils import configure_moe_param_groups
-from deepspeed.runtime import agreement, engine_lifecycle, engine_mesh, lr_schedules, torch_autocast
-from deepspeed.runtime.accumulation import AccumulationWindow
+from deepspeed.runtime import lr_schedules, torch_autocast
+from deepspeed.runtime.configuration import agreement
+from deepspeed.runtime.engine_parts import lifecycle as engine_lifecycle, mesh as engine_mesh
+from deepspeed.runtime.engine_parts.accumulation import AccumulationWindow
 from deepspeed.runtime.audit import AuditSchedule, auditing
 from deepspeed.runtime.backward import ownership, registry
 from deepspeed.runtime.checkpoint.engine_mixin import CheckpointEngineMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
-from deepspeed.runtime.engine_api import EngineAPI
-from deepspeed.runtime.engine_names import refuse_unresolved
-from deepspeed.runtime.engine_states import EngineStates
-from deepspeed.runtime.instrumentation import EngineInstrumentation
+from deepspeed.runtime.engine_parts.api import EngineAPI
+from deepspeed.runtime.engine_parts.names import refuse_unresolved
+from deepspeed.runtime.engine_parts.states import EngineStates
+from deepspeed.runtime.engine_parts.instrumentation import EngineInstrumentation
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
-from deepspeed.runtime.optimizer_factory import build_optimizer, check_client_offload_optimizer
+from deepspeed.runtime.engine_parts.optimizer_factory import build_optimizer, check_client_offload_optimizer
 from deepspeed.runtime.precision.low_precision_masters import cpu_adam_params
 from deepspeed.runtime.precision.loss_scaler import create_loss_scaler
 from deepspeed.runtime.keep_in_fp32 import keep_in_fp32_pattern
 from deepspeed.runtime.precision import module_cast
 from deepspeed.runtime.precision.overflow import report_skipped_step
-from deepspeed.runtime.returned_optimizers import build_returned_optimizer, returned_optimizer_class
+from deepspeed.runtime.engine_parts.returned_optimizers import build_returned_optimizer, returned_optimizer_class
 from deepspeed.runtime.tensor_parallel.training import TensorParallelTraining
-from deepspeed.runtime.unused_parameters import UnusedParameterCheck
-from deepspeed.runtime.usage_errors import EngineUsageError, require_scalar_loss
+from deepspeed.runtime.engine_parts.unused_parameters import UnusedParameterCheck
+from deepspeed.runtime.engine_parts.usage_errors import EngineUsageError, require_scalar_loss
 from deepspeed.runtime.zenflow.config import accumulation_steps as zenflow_accumulation_steps
 from deepspeed.runtime.zero.stages import StageConfig, build_stage
 from deepspeed.utils import groups
@@ -158,7 +160,7 @@ class DeepSpeedEngine(EngineAPI, CheckpointEngineMixin, torch.nn.Module):
             self._instruments.attach_stage(self._stage)
         elif cfg.zero_optimization_stage == 3:
             self._configure_stage()
-        self._states = EngineStates(self)  # offload_states / reload_states (engine_states.py)
+        self._states = EngineStates(self)  # offload_states / reload_states (engine_parts/states.py)
         if self.optimizer is not None:
             self.optimizer.engine_states = self._states
         self._audit = AuditSchedule(self, cfg.gradient_audit_config)
@@ -343,7 +345,7 @@ class DeepSpeedEngine(EngineAPI, CheckpointEngineMixin, torch.nn.Module):
             return getattr(module, name)
 
     def _compile_settings(self):
-        """The parsed ``compile`` section (compile_config.py)."""
+        """The parsed ``compile`` section (configuration/compile.py)."""
         return self._compile
 
     def gradient_accumulation_steps(self):
@@ -477,7 +479,7 @@ class DeepSpeedEngine(EngineAPI, CheckpointEngineMixin, torch.nn.Module):
         Gradients stay exact on every stage: the engine's hooks run eagerly between compiled regions
         (ZeRO-3 gathers and releases parameters there; these are graph breaks). Compiled autograd
         and DeepCompile schedules are not supported. With ``compile.deepcompile`` true this is the compiled
-        path that runs (compile_config.py).
+        path that runs (configuration/compile.py).
         """
         if schedule is not None:
             raise NotImplementedError("engine.compile(schedule=...) (DeepCompile) is not supported; see "

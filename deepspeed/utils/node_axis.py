@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 import deepspeed.comm as dist
 from deepspeed.utils.mesh import current_mesh, group_of_ranks
 
-ZERO_KIND = "sequence_data_parallel"  # the groups ZeRO shards over (engine_mesh.dense_group)
+ZERO_KIND = "sequence_data_parallel"  # the groups ZeRO shards over (engine_parts.mesh.dense_group)
 
 
 def effective_node_size(h, zero_world_size):

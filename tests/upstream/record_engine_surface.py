@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Write ``deepspeed/runtime/engine_names.py``: the public names of upstream's engine classes and package.
+"""Write ``deepspeed/runtime/engine_parts/names.py``: the public names of upstream's engine classes and package.
 
 Run it with upstream installed (not this package), from any directory but the repository root:
 
-    /work/upvenv/bin/python tests/upstream/record_engine_surface.py deepspeed/runtime/engine_names.py
+    /work/upvenv/bin/python tests/upstream/record_engine_surface.py deepspeed/runtime/engine_parts/names.py
 
 The list is data: what ``tests/unit/runtime/test_engine_surface.py`` checks every name against.
 """

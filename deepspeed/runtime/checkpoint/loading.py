@@ -33,7 +33,7 @@ with ``load_lr_scheduler_states``; counters (``global_steps``, ``global_samples`
 """
 
 from deepspeed.checkpoint.constants import LATEST_UNIVERSAL_FILE
-from deepspeed.runtime import expert_checkpoint
+from deepspeed.runtime.checkpoint import expert as expert_checkpoint
 from deepspeed.runtime.checkpoint import completeness
 from deepspeed.runtime.checkpoint.model_state import check_module, client_state_of, param_names
 from deepspeed.runtime.checkpoint.optimizer_state import import_scaler
@@ -67,7 +67,7 @@ class _Load:
         self.refresh_masters = False
         self.needs_all_files = False
         self.with_state = False  # the optimizer state is loaded too (phase 2 rebuilds it)
-        self.experts_resharded = False  # saved at another expert-parallel size (runtime/expert_checkpoint.py)
+        self.experts_resharded = False  # saved at another expert-parallel size (runtime/checkpoint/expert.py)
 
     def _local(self, values):
         """A tensor-parallel engine keeps this rank's piece of every whole tensor (a universal folder's)."""

@@ -79,7 +79,7 @@ def _check_files(payloads, names):
 
 def _expert_names(layout):
     """Names of the parameters in expert buckets (ep > 1): their values differ by expert-parallel rank under one name
-    and come from the expert states files (``runtime/expert_checkpoint.py``), not from the partitions."""
+    and come from the expert states files (``runtime/checkpoint/expert.py``), not from the partitions."""
     spans = [(b["start"], b["start"] + b["numel"]) for b in layout["buckets"] if b.get("expert")]
     return {p["name"] for p in layout["params"] if any(lo <= p["offset"] < hi for lo, hi in spans)}
 

@@ -30,14 +30,14 @@ import stat
 import uuid
 
 import deepspeed.comm as dist
-from deepspeed.runtime import expert_checkpoint
+from deepspeed.runtime.checkpoint import expert as expert_checkpoint
 from deepspeed.runtime.checkpoint import completeness, model_state, paths
 from deepspeed.runtime.checkpoint.optimizer_state import export_scaler
 from deepspeed.runtime.checkpoint.stage_checkpoint import SaveContext, checkpoint_of
 from deepspeed.runtime.checkpoint.validate import agree, check_dir, check_tag
 from deepspeed.runtime.checkpoint.writer import SaveWriter, atomic_copy
 from deepspeed.runtime.checkpoint_engine.staging import stage_to_host
-from deepspeed.runtime.checkpoint_tag_validation import resolve_tag
+from deepspeed.runtime.configuration.tag_validation import resolve_tag
 from deepspeed.utils.logging import logger
 
 

@@ -14,7 +14,7 @@ per parameter, its name, shape, numel, shard size, group and part offset.
 :class:`~deepspeed.runtime.checkpoint.reshard.FullState`, what any stage imports), and
 the full 16-bit value of each frozen parameter. ``zero_to_fp32`` reads the same. Parameters marked
 ``expert`` (sharded over their expert-data-parallel group; their values differ by expert-parallel rank
-under one name) are left out: they come from the expert files (``runtime/expert_checkpoint.py``).
+under one name) are left out: they come from the expert files (``runtime/checkpoint/expert.py``).
 """
 
 import torch

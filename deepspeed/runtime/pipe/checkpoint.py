@@ -36,7 +36,7 @@ from deepspeed.runtime.checkpoint.saving import _copy_recovery_script, _local_ch
 from deepspeed.runtime.checkpoint.stage_checkpoint import SaveContext, checkpoint_of
 from deepspeed.runtime.checkpoint.validate import CheckpointError, agree, check_dir
 from deepspeed.runtime.checkpoint.writer import SaveWriter
-from deepspeed.runtime.checkpoint_tag_validation import resolve_tag as validate_tag
+from deepspeed.runtime.configuration.tag_validation import resolve_tag as validate_tag
 from deepspeed.utils.logging import logger
 
 PIPELINE_KEY = "pipeline"

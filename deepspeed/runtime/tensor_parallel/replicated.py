@@ -14,7 +14,7 @@ gradient is one of two kinds:
 
 The gradient pipeline reduces both over the tensor-parallel group (with the data-parallel
 reduction), dividing a ``"mean"`` gradient by the group's size, so the replicas stay equal and
-equal to the unsharded model's (``engine_mesh.reduction_plan``). Which kind a parameter is
+equal to the unsharded model's (``engine_parts.mesh.reduction_plan``). Which kind a parameter is
 follows from the data flow, not from its name, so :class:`ShardFlow` traces it: a
 ``TorchFunctionMode`` over one forward follows, for every tensor, whether it is sharded
 (derived from a column-parallel output without passing a row-parallel sum or a gather; the

@@ -14,7 +14,7 @@
    when its inputs cannot be made up (then the first real forward is traced and checked), and
    the first-forward check of the inputs is installed (``data_check.py``).
 
-The gradient reduction reads the kinds (``engine_mesh.reduction_plan``); a model whose
+The gradient reduction reads the kinds (``engine_parts.mesh.reduction_plan``); a model whose
 tensor-parallel layers come from an ``mpu`` (Megatron-style, no ``autotp_size``) keeps its
 layers: its parameters without ``tensor_model_parallel`` are taken as replicated ``"mean"``.
 """
@@ -23,7 +23,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.module_inject.layers import configure_tensor_parallel_runtime, set_autotp_mode
-from deepspeed.runtime import engine_mesh
+from deepspeed.runtime.engine_parts import mesh as engine_mesh
 from deepspeed.runtime.tensor_parallel import init_utils, replicated, sharding
 from deepspeed.runtime.tensor_parallel.data_check import FirstForwardCheck
 from deepspeed.runtime.tensor_parallel.plan import build_plan

@@ -9,7 +9,7 @@
 
 * ``get_state_devices(engine, state)``: the devices the engine's tensors of one
   :class:`~deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum` kind live on now (after
-  ``engine.offload_states()``: the host; see :mod:`deepspeed.runtime.engine_states`).
+  ``engine.offload_states()``: the host; see :mod:`deepspeed.runtime.engine_parts.states`).
 
 ``OffloadStateTypeEnum`` is defined in :mod:`~deepspeed.runtime.zero.offload_config` (where upstream's callers
 import it from) and re-exported here.

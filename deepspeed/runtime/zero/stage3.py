@@ -671,5 +671,5 @@ def check_expert_support(config, group_names):
 
 
 # The class of the optimizer deepspeed.initialize returns for stage 3 (what isinstance checks see).
-from deepspeed.runtime.returned_optimizers import DeepSpeedZeroOptimizer_Stage3  # noqa: E402,F401
+from deepspeed.runtime.engine_parts.returned_optimizers import DeepSpeedZeroOptimizer_Stage3  # noqa: E402,F401
 from deepspeed.runtime.zero.units.generation import unwrap_model_for_generation  # noqa: E402,F401

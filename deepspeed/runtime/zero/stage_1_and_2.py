@@ -298,4 +298,4 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
 
 
 # The class of the optimizer deepspeed.initialize returns for stages 1 and 2 (what isinstance checks see).
-from deepspeed.runtime.returned_optimizers import DeepSpeedZeroOptimizer  # noqa: E402,F401
+from deepspeed.runtime.engine_parts.returned_optimizers import DeepSpeedZeroOptimizer  # noqa: E402,F401

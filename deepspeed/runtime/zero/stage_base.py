@@ -2,7 +2,7 @@
 """What every ZeRO stage shares: its gradient pipeline, the window interface and one norm/overflow semantics.
 
 A stage is built from a :class:`~deepspeed.runtime.zero.stages.StageConfig` and an
-accumulation clock (the engine's :class:`~deepspeed.runtime.accumulation.AccumulationWindow`)
+accumulation clock (the engine's :class:`~deepspeed.runtime.engine_parts.accumulation.AccumulationWindow`)
 and owns:
 
 * ``pipeline``: the :class:`~deepspeed.runtime.zero.gradients.grad_pipeline.GradPipeline` the backward

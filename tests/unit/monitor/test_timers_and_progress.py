@@ -8,7 +8,7 @@ import time
 import pytest
 
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-from deepspeed.runtime.engine_timers import EngineTimers
+from deepspeed.runtime.engine_parts.timers import EngineTimers
 from deepspeed.utils.timer import BACKWARD_GLOBAL_TIMER, BACKWARD_REDUCE_GLOBAL_TIMER, OPTIMIZER_ALLGATHER_TIMER
 from tests.unit.common import run_distributed
 from tests.unit.monitor import training as T
@@ -121,7 +121,7 @@ def test_stage_reduction_time_is_taken_out_of_inner(monkeypatch):
 
 
 def test_stage_receives_the_registry():
-    from deepspeed.runtime.instrumentation import EngineInstrumentation
+    from deepspeed.runtime.engine_parts.instrumentation import EngineInstrumentation
 
     class Stage:
         timers = None

@@ -242,7 +242,7 @@ def test_checkpoint_reshard_and_universal(tmp_path):
 # ------------------------------------------------------------------ single process: split, keys, Newton-Schulz
 def test_split_keys_and_defaults():
     from deepspeed.ops.muon import tag_muon_params
-    from deepspeed.runtime.optimizer_factory import build_optimizer
+    from deepspeed.runtime.engine_parts.optimizer_factory import build_optimizer
     model = cases.Net(3)
     model.layers[0].weight.use_muon = False  # a user's marking is kept
     model.layers[1].bias.ds_shape = torch.Size([2, 3])  # a zero.Init placeholder reports its layer shape

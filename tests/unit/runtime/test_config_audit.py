@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from deepspeed.runtime import config_audit
+from deepspeed.runtime.configuration import audit as config_audit
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.config_utils import DeepSpeedConfigError
 from tests.unit.common import run_distributed

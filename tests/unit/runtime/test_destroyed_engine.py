@@ -29,7 +29,7 @@ def _config(stage):
 def use_after_destroy(stage):
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.runtime.engine_lifecycle import EngineDestroyedError
+    from deepspeed.runtime.engine_parts.lifecycle import EngineDestroyedError
     from tests.unit.contract.models import ToyNet, lm_loss, make_batch
 
     rank = dist.get_rank()

@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Upstream's engine surface: every name of upstream 0.19.8's ``DeepSpeedEngine`` / ``PipelineEngine`` and of the
-``deepspeed`` package (the generated list ``deepspeed/runtime/engine_names.py``) is here or refused by name; and
+``deepspeed`` package (the generated list ``deepspeed/runtime/engine_parts/names.py``) is here or refused by name; and
 ``set_train_batch_size`` changes GAS mid-run with gradients exact against plain torch."""
 
 import pytest
 import torch
 
 import deepspeed
-from deepspeed.runtime import engine_api
+from deepspeed.runtime.engine_parts import api as engine_api
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.engine_names import DEEPSPEED_ENGINE, PIPELINE_ENGINE, TOP_LEVEL
+from deepspeed.runtime.engine_parts.names import DEEPSPEED_ENGINE, PIPELINE_ENGINE, TOP_LEVEL
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from tests.unit.common import run_distributed
 
@@ -97,7 +97,7 @@ def batch_ramp(stage, seed):
     """GAS 2 for two windows, then ``set_train_batch_size`` to GAS 3 (the first new window starts after an even
     number of micro-steps, where upstream's ``micro_steps % GAS`` rule would end it early), against plain SGD."""
     import copy
-    from deepspeed.runtime.usage_errors import EngineUsageError
+    from deepspeed.runtime.engine_parts.usage_errors import EngineUsageError
     torch.manual_seed(seed)
     model = _Model()
     plain = copy.deepcopy(model)

@@ -7,7 +7,7 @@ import torch
 from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
-from deepspeed.runtime.optimizer_factory import UNSUPPORTED_OPTIMIZERS, build_optimizer
+from deepspeed.runtime.engine_parts.optimizer_factory import UNSUPPORTED_OPTIMIZERS, build_optimizer
 
 
 def params():
@@ -137,7 +137,7 @@ def test_unknown_and_invalid():
 def test_client_optimizer_with_offload_needs_the_ds_cpu_optimizer():
     """Upstream's zero_force_ds_cpu_optimizer (default true): a client optimizer other than DeepSpeedCPUAdam /
     DeepSpeedCPULion with optimizer offload raises ZeRORuntimeException, unless the key is false."""
-    from deepspeed.runtime.optimizer_factory import check_client_offload_optimizer
+    from deepspeed.runtime.engine_parts.optimizer_factory import check_client_offload_optimizer
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
     adam = torch.optim.Adam(params())
     for device in ("cpu", "nvme"):

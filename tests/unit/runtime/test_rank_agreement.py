@@ -115,7 +115,7 @@ def test_disagreeing_ranks_get_the_same_error(case):
 def exchange_sizes(count):
     """The bytes each exchange sends for a model of ``count`` parameters whose ranks agree."""
     import deepspeed
-    from deepspeed.runtime import agreement
+    from deepspeed.runtime.configuration import agreement
     sizes = []
     original = agreement._all_gather_json
 
@@ -145,7 +145,7 @@ def test_one_small_exchange_whatever_the_model_size():
 def single_rank_exchanges_nothing():
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.runtime import agreement
+    from deepspeed.runtime.configuration import agreement
     original = agreement._all_gather_json
 
     def refuse(obj, device):

@@ -145,7 +145,7 @@ def test_module_imports_with_upstream_names(path):
 
 def test_stage_optimizer_classes_are_the_returned_ones():
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
-    from deepspeed.runtime.engine_optimizer import EngineOptimizer
+    from deepspeed.runtime.engine_parts.optimizer import EngineOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):

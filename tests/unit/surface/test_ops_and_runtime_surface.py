@@ -201,7 +201,7 @@ def test_deepspeed_config_model_without_pydantic_names_the_extra(monkeypatch):
     import ast
     import os
     import sys
-    monkeypatch.delitem(sys.modules, "deepspeed.runtime.config_model", raising=False)
+    monkeypatch.delitem(sys.modules, "deepspeed.runtime.configuration.model", raising=False)
     monkeypatch.setitem(sys.modules, "pydantic", None)  # an import of pydantic fails as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'deepspeed\[pydantic\]'") as raised:
         from deepspeed.runtime.config_utils import DeepSpeedConfigModel  # noqa: F401

@@ -32,7 +32,7 @@ def _config(stage, **extra):
 def unused_worker(stage, ignore, spare_on):
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.runtime.unused_parameters import UnusedParametersError
+    from deepspeed.runtime.engine_parts.unused_parameters import UnusedParametersError
     torch.manual_seed(0)
     engine = deepspeed.initialize(model=TwoBranch(), config=_config(stage, ignore_unused_parameters=ignore))[0]
     x = torch.randn(2, 3)

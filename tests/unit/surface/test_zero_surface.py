@@ -386,7 +386,7 @@ def test_returned_optimizer_class(stage, dtype, optimizer_type, accum, expected)
     assert run_distributed(returned_class_worker, 1, args=(stage, dtype, optimizer_type, accum),
                            timeout=60) == [expected]
     from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
-    from deepspeed.runtime.returned_optimizers import returned_optimizer_class
+    from deepspeed.runtime.engine_parts.returned_optimizers import returned_optimizer_class
     from deepspeed.ops.adam import FusedAdam
     inner = FusedAdam([torch.nn.Parameter(torch.ones(1))]) if optimizer_type == "Adam" else torch.optim.SGD(
         [torch.nn.Parameter(torch.ones(1))], lr=0.1)

@@ -199,7 +199,7 @@ def test_rl_offload_replay_is_bitwise(stage, dtype, recipe, extra):
 def edge_cases():
     """Offloading twice, reloading twice, subsets, and what needs the state while it is away."""
     import deepspeed
-    from deepspeed.runtime.usage_errors import EngineUsageError
+    from deepspeed.runtime.engine_parts.usage_errors import EngineUsageError
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as K
     from deepspeed.runtime.zero.offload_states import get_state_devices
     torch.manual_seed(3)

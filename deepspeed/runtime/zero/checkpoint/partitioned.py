@@ -29,7 +29,7 @@ def describe_layout(layout, name_of):
         params.append(
             dict(name=name_of[param], shape=list(slot.shape), group=slot.group, offset=slot.offset, numel=slot.numel))
     # an expert bucket (ep > 1) holds other experts on other expert-parallel ranks under the same names: resharding
-    # reads its values from the expert states files instead (runtime/expert_checkpoint.py)
+    # reads its values from the expert states files instead (runtime/checkpoint/expert.py)
     buckets = [
         dict(group=b.group,
              start=b.start,

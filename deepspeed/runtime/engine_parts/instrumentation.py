@@ -29,7 +29,7 @@ import contextlib
 import time
 
 from deepspeed.monitor.monitor import MonitorMaster
-from deepspeed.runtime.engine_timers import EngineTimers, ProgressMeter
+from deepspeed.runtime.engine_parts.timers import EngineTimers, ProgressMeter
 from deepspeed.utils.logging import log_dist
 from deepspeed.utils.timer import BACKWARD_GLOBAL_TIMER, FORWARD_GLOBAL_TIMER, STEP_GLOBAL_TIMER
 

@@ -77,7 +77,7 @@ class EngineOptimizer(ZeROOptimizer):
     def dynamic_loss_scale(self):
         return self.loss_scaler.dynamic
 
-    engine_states = None  # the engine's EngineStates (engine_states.py), set by the engine
+    engine_states = None  # the engine's EngineStates (engine_parts/states.py), set by the engine
 
     def offload_states(self, include=None, device="cpu", pin_memory=True, non_blocking=False):
         """The engine's ``offload_states`` (upstream offers it on the optimizer too; OpenRLHF calls it here)."""

@@ -27,7 +27,7 @@ import logging
 import torch
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.usage_errors import EngineUsageError
+from deepspeed.runtime.engine_parts.usage_errors import EngineUsageError
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as Kind
 from deepspeed.runtime.zero.offload.state_placement import StatePlacement
 from deepspeed.utils.logging import logger

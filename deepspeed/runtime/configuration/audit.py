@@ -19,7 +19,7 @@ the feature, and what to do instead. When a feature is built, its row goes (and 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .config_utils import logger
+from ..config_utils import logger
 
 DOCS = "see docs/compatibility.md"
 

@@ -27,7 +27,7 @@ loss-scaler config, ...); constructing one directly is not built here and raises
 
 import torch
 
-from deepspeed.runtime.engine_optimizer import EngineOptimizer
+from deepspeed.runtime.engine_parts.optimizer import EngineOptimizer
 
 
 class _ReturnedOptimizer(EngineOptimizer):

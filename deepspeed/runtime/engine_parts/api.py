@@ -2,7 +2,7 @@
 """The rest of upstream's ``DeepSpeedEngine`` surface, as data.
 
 Every public name of upstream 0.19.8's ``DeepSpeedEngine`` and ``PipelineEngine`` (the generated list in
-:mod:`deepspeed.runtime.engine_names`) is, on an engine here, one of:
+:mod:`deepspeed.runtime.engine_parts.names`) is, on an engine here, one of:
 
 * a method of the engine's own classes (``engine.py``, the checkpoint mixin, the methods below);
 * a *config accessor* of :data:`CONFIG_ACCESSORS`: the value upstream's accessor of the same name returns
@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from deepspeed.runtime.usage_errors import EngineUsageError
+from deepspeed.runtime.engine_parts.usage_errors import EngineUsageError
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.utils import groups
 
@@ -229,7 +229,7 @@ REFUSED.update({
     "data efficiency's data post-processing is not built",
     "get_optimizer_configuration":
     "upstream's optimizer-factory internals; the config's optimizer is built by "
-    "deepspeed.runtime.optimizer_factory",
+    "deepspeed.runtime.engine_parts.optimizer_factory",
     "load_moe_state_dict":
     "upstream's MoE checkpoint internals; engine.load_checkpoint loads expert states",
     "get_autosp_backend":
@@ -268,7 +268,7 @@ class EngineAPI:
 
     # ------------------------------------------------------------ state offload
     def offload_states(self, include=None, device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=False):
-        """Move the engine's states off the device (RL colocation); see :mod:`deepspeed.runtime.engine_states`.
+        """Move the engine's states off the device (RL colocation); see :mod:`deepspeed.runtime.engine_parts.states`.
 
         ``include``: the :class:`~deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum` kinds to move (None:
         all); ``device``: ``"cpu"`` (``"none"`` moves nothing, ``"nvme"`` raises, as upstream); ``pin_memory``:

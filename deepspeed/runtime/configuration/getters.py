@@ -6,8 +6,8 @@ Each returns the key's value as written, or upstream's default when it is absent
 engine.
 """
 
-from .config_utils import DeepSpeedConfigError, get_scalar_param
-from .constants import (
+from ..config_utils import DeepSpeedConfigError, get_scalar_param
+from ..constants import (
     CHECKPOINT, CHECKPOINT_PARALLEL_WRITE, CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE,
     CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE_DEFAULT, CHECKPOINT_TAG_VALIDATION, CHECKPOINT_TAG_VALIDATION_DEFAULT,
     CHECKPOINT_TAG_VALIDATION_MODES, COMMUNICATION_DATA_TYPE, COMMUNICATION_DATA_TYPE_DEFAULT, DATA_TYPES,
