@@ -62,10 +62,6 @@ def _quantized_weights(section) -> bool:
         _given(section.get(k)) for k in ("quantized_initialization", "post_init_quant"))
 
 
-def _reduced_precision(value) -> bool:
-    return isinstance(value, str) and value.strip().lower() not in ("fp32", "float32", "float", "torch.float32")
-
-
 NOT_BUILT = (
     # features upstream has, or had, that change what training computes
     Row("amp", _section_enabled, "NVIDIA Apex AMP (amp.enabled; upstream 0.19 removed it too)",
@@ -105,14 +101,6 @@ NO_EFFECT = (
         "checkpoints are written with torch.save, as upstream writes them without the datastates package"),
     Row("dump_state", _enabled, "dump_state", "the engine's state is not printed (DeepSpeedConfig.print() shows the "
         "configuration)"),
-    Row(
-        "seq_parallel_communication_data_type", _reduced_precision, "seq_parallel_communication_data_type",
-        "gradients are reduced in 'communication_data_type' (default: the fp32 accumulation dtype), with or "
-        "without sequence parallelism"),
-    Row(
-        "seq_parallel_comm_data_type", _reduced_precision, "seq_parallel_comm_data_type",
-        "gradients are reduced in 'communication_data_type' (default: the fp32 accumulation dtype), with or "
-        "without sequence parallelism"),
 )
 
 

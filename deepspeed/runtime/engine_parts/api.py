@@ -349,6 +349,8 @@ class EngineAPI:
     @property
     def communication_data_type(self):
         configured = self._config.communication_data_type
+        if self.mesh.description.sequence_parallel_size > 1:  # upstream's rule: see zero/stages.communication_dtype
+            configured = self._config.seq_parallel_communication_data_type
         if configured is not None:
             return configured
         if self.fp16_enabled():
@@ -361,7 +363,10 @@ class EngineAPI:
     def communication_data_type(self, value):
         """Reduce gradients in ``value`` from the next reduction on (upstream reads the setting at every
         reduction); None: the accumulation dtype."""
-        self._config.communication_data_type = value
+        if self.mesh.description.sequence_parallel_size > 1:
+            self._config.seq_parallel_communication_data_type = value
+        else:
+            self._config.communication_data_type = value
         if self._stage is not None:
             self._stage.geometry.set_comm_dtype(value)
 

@@ -86,7 +86,7 @@ class StageConfig:
                    accum_dtype=cfg.grad_accum_dtype or masters,
                    master_dtype=masters,
                    states_16bit=bool(cfg.bf16_optimizer_states) and masters != torch.float32,
-                   comm_dtype=cfg.communication_data_type,
+                   comm_dtype=communication_dtype(cfg),
                    average=cfg.gradient_allreduce_op != "sum",
                    requires_loss_scale=bool(cfg.fp16_enabled),
                    bucket_numel=int(zero.reduce_bucket_size),
@@ -108,6 +108,20 @@ class StageConfig:
                    persistence_threshold=int(zero.stage3_param_persistence_threshold),
                    muon_momentum_on_device=bool(zero.save_muon_momentum_buffer_in_memory),
                    zeropp=zeropp)
+
+
+def communication_dtype(cfg):
+    """The dtype gradients are reduced in (None: the accumulation dtype). With sequence parallelism it is
+    ``seq_parallel_communication_data_type`` (fp32 unless set), whatever ``communication_data_type`` says, as
+    upstream's engine does."""
+    if _sequence_parallel_size() > 1:
+        return cfg.seq_parallel_communication_data_type
+    return cfg.communication_data_type
+
+
+def _sequence_parallel_size():
+    from deepspeed.utils import groups
+    return groups.current_mesh().description.sequence_parallel_size
 
 
 def _zero_world_size():

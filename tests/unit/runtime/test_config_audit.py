@@ -52,8 +52,6 @@ REFUSED = {
 NO_EFFECT = {
     "datastates": {"datastates": {"enabled": True}},
     "dump_state": {"dump_state": True},
-    "seq_parallel_communication_data_type": {"seq_parallel_communication_data_type": "bf16"},
-    "seq_parallel_comm_data_type": {"seq_parallel_comm_data_type": "fp16"},
 }  # yapf: disable
 
 

@@ -93,9 +93,6 @@ NO_EFFECT = {
     "the engine's state is not printed (DeepSpeedConfig.print() shows the configuration)",
     "vocabulary_size":
     "upstream only logs whether it is a multiple of 8 (tensor-core alignment)",
-    "seq_parallel_communication_data_type":
-    "gradients are reduced in communication_data_type, with or without "
-    "sequence parallelism",
     "prescale_gradients":
     "the 1/W of the mean is folded into each contribution's fp32 factor: pre-division "
     "changes no result",
