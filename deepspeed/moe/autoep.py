@@ -141,6 +141,24 @@ class _AllToAllV(torch.autograd.Function):
         return None, _all_to_all(ctx.group, grad, ctx.recv_counts, ctx.send_counts), None, None
 
 
+class _SumRowsInto(torch.autograd.Function):
+    """``zeros_like(like).index_add(0, index, rows)``, whose backward keeps ``index`` only.
+
+    Autograd's own ``index_add`` saves ``rows`` for their shape alone (its gradient is ``grad.index_select(0,
+    index)``): one ``[tokens * top_k, hidden]`` tensor per MoE layer held until the backward for nothing.
+    """
+
+    @staticmethod
+    def forward(ctx, like, index, rows):
+        ctx.save_for_backward(index)
+        return torch.zeros_like(like).index_add_(0, index, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, = ctx.saved_tensors
+        return None, None, grad.index_select(0, index)
+
+
 class GroupedExperts(nn.Module):
     """This rank's experts of one sparse MoE block, computed dropless over the expert-parallel group.
 
@@ -233,8 +251,7 @@ class GroupedExperts(nn.Module):
             weighted = out_rows.to(hidden_states.dtype)
         else:
             weighted = (out_rows * weights.unsqueeze(1)).to(hidden_states.dtype)
-        out = torch.zeros_like(hidden_states)
-        return out.index_add(0, token_of, weighted)
+        return _SumRowsInto.apply(hidden_states, token_of, weighted)
 
     def _exchange_and_compute(self, rows, counts_device):
         ep, L = self.ep_size, self.num_local_experts

@@ -132,6 +132,7 @@ class UnitCoordinator:
         self._trace = []  # unit order of the first forward, for prefetching
         self._tracing = True
         self._position = {}
+        self._frontier = -1  # the furthest trace position the running forward pass has used
         self._unsessioned_task = None  # a graph task with no session whose end releases its holds
         self._empties = {}
         self._unit_of_param = {p: u for u in units for p in u.params}
@@ -228,6 +229,8 @@ class UnitCoordinator:
             self._regather_persistent()
             for sub in module.modules():
                 ensure_zero_ordered_dict(sub, self)
+        if not self._forward_stack:
+            self._frontier = -1  # an outermost module's forward: a new pass along the trace
         self._forward_stack.append(module)
         with ds_range("DS::gather"):
             for unit in units:
@@ -241,7 +244,13 @@ class UnitCoordinator:
             self._position[unit.index] = len(self._trace)
             self._trace.append(unit)
         elif not self._tracing:
-            self._prefetch_after(unit, forward=True)
+            # Prefetch only from the frontier of this pass. A unit used again behind it (a block's shared expert
+            # running after its routed experts, the lm_head after the model) would fetch the next unit, which this
+            # pass has already used and released: a gather nobody waits for, held until the backward needs it.
+            position = self._position.get(unit.index)
+            if position is not None and position >= self._frontier:
+                self._frontier = position
+                self._prefetch_after(unit, forward=True)
 
     def gather_on_access(self, param):
         """``param`` (released) was read from its module's parameter dict (``ZeROOrderedDict``).
