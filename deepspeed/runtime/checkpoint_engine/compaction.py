@@ -21,8 +21,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _eligible(tensor):
+    """A plain dense tensor whose values are its storage's bytes read through its strides (a lazily conjugated or
+    negated view, a named, nested or quantized tensor carries more, and is written as it is)."""
     return (type(tensor) in _PLAIN and tensor.layout == torch.strided and tensor.device.type != "meta"
-            and not tensor.is_quantized)
+            and not tensor.is_quantized and not tensor.is_nested and not tensor.is_conj() and not tensor.is_neg()
+            and not any(getattr(tensor, "names", None) or ()))
 
 
 def _span(tensor):

@@ -83,6 +83,7 @@ def _random_payload(gen):
     state["transposed"] = views[3].t()
     state["expanded"] = flat[offset:offset + 3].view(3, 1).expand(3, 5)
     state["empty"] = flat[offset + 3:offset + 3]
+    state["conjugate"] = torch.randn(40, dtype=torch.complex64, generator=gen)[3:9].conj()  # a lazy flag: as it is
     return dict(module=state,
                 parts=[ints[7:20], ints[100:101], Pair(ints[300:340].view(5, 8), 3)],
                 own=torch.randn(33, generator=gen),
