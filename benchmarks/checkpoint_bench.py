@@ -19,7 +19,9 @@ time, then ``--saves`` times: a save, then ``--after`` steps. Per save it record
   commits, waiting for the files, at the next ``engine.step()``; a background writer may also slow steps down);
 * ``blocked_s = call_s + excess_s``: the time the training loop lost to the save;
 * ``durable_s``: from the call until the files are on disk and committed (``latest`` written), the ``--after``
-  steps included (a background write overlaps them).
+  steps included (a background write overlaps them);
+* ``on_disk_s``: ``durable_s`` plus an ``os.sync()`` after it: a writer that does not ``fsync`` its files (upstream's
+  ``torch.save``, its ``python`` writer) has them on the device only then; one that does pays next to nothing here.
 
 Prints and appends one JSON line per system to ``--out``. ``--tiny`` runs a small model on the CPU (a check of the
 script). ``benchmarks/checkpoint_bench.sh`` runs every system in one command.
@@ -240,12 +242,15 @@ def run(args):
         after = [timed_step() for _ in range(args.after)]
         runner.durable(directory, tag)
         durable = time.perf_counter() - start  # the following steps included: a background write overlaps them
+        os.sync()  # what a writer that does not fsync leaves in the page cache reaches the device
+        on_disk = time.perf_counter() - start
         excess = sum(max(0.0, t - median) for t in after)
         saves.append(
             dict(call_s=round(call, 4),
                  excess_s=round(excess, 4),
                  blocked_s=round(call + excess, 4),
                  durable_s=round(durable, 4),
+                 on_disk_s=round(on_disk, 4),
                  after_steps_s=[round(t, 4) for t in after]))
     runner.close()
     size = _dir_bytes(directory)

@@ -35,15 +35,17 @@ fi
 python3 - "$RESULT" "$OUT/checkpoint_bench.md" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-out = ["| system | device | checkpoint (GB) | median step (s) | save call (s) | loop blocked (s) | to durable (s) |",
-       "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+out = ["| system | device | checkpoint (GB) | median step (s) | save call (s) | loop blocked (s) | to durable (s) "
+       "| on disk (s) |",
+       "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
 for r in rows:
     if "error" in r:
-        out.append(f"| {r['system']} | error: {r['error'][:120]} | | | | | |")
+        out.append(f"| {r['system']} | error: {r['error'][:120]} | | | | | | |")
         continue
     durable = sum(s["durable_s"] for s in r["saves"]) / len(r["saves"])
+    on_disk = sum(s.get("on_disk_s", s["durable_s"]) for s in r["saves"]) / len(r["saves"])
     out.append(f"| {r['system']} | {r['device']} | {r['checkpoint_bytes_per_save'] / 1e9:.2f} | {r['median_step_s']:.3f} | "
-               f"{r['call_s_mean']:.2f} | {r['blocked_s_mean']:.2f} | {durable:.2f} |")
+               f"{r['call_s_mean']:.2f} | {r['blocked_s_mean']:.2f} | {durable:.2f} | {on_disk:.2f} |")
 text = "\n".join(out)
 print(text)
 open(sys.argv[2], "w").write(text + "\n")

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The model-states file: what it holds, the client state a load returns, and checks of a loaded module.
 
-Keys, as upstream: ``module`` (the module's state_dict, compact CPU copies; ZeRO-3: the
-persistent buffers only), ``buffer_names``, ``optimizer`` (stage 0: its optimizer state;
+Keys, as upstream: ``module`` (the module's state_dict on the host, each tensor written as its own bytes and a
+tied weight once; ZeRO-3: the persistent buffers only), ``buffer_names``, ``optimizer`` (stage 0: its optimizer state;
 ZeRO: None), ``param_shapes`` (per param group: name -> full shape of the trainable
 parameters), ``frozen_param_shapes`` (name -> full shape of the frozen ones),
 ``shared_params`` (alias name -> name of the parameter it is tied to), ``lr_scheduler``,
@@ -14,13 +14,13 @@ The client state ``load_checkpoint`` returns is upstream's: every entry of the
 model-states file it read except those the load consumed (:func:`client_state_of`).
 """
 
+import copy
 from collections import OrderedDict
 
 import torch
 
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.checkpoint.universal_checkpoint import universal_info
-from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.checkpoint.reader import META_KEY
 from deepspeed.runtime.checkpoint.validate import CheckpointError
 
@@ -70,6 +70,35 @@ def module_state_dict(module, exclude_frozen_parameters=False):
     return state
 
 
+def host_tensors(state):
+    """``state`` (a flat ``{name: tensor}`` mapping, its type kept) with every tensor detached on the host.
+
+    A host tensor is taken as it is, not copied: the save writes it before training changes it (the decoupled
+    writer first copies it into memory of its own), and the file writer cuts a view of a flat buffer to its own
+    bytes (``checkpoint_engine/compaction.py``). A tensor on a device is copied to the host, once per view: names
+    bound to one tensor (a tied weight) stay one tensor, written once and loaded tied, as ``module.state_dict()``
+    gives them.
+    """
+    copies = {}
+
+    def to_host(tensor):
+        tensor = tensor.detach()
+        if tensor.device.type == "cpu":
+            return tensor
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr(), tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
+               tuple(tensor.stride()))
+        if key not in copies:
+            copies[key] = tensor.to("cpu", copy=True)
+        return copies[key]
+
+    out = copy.copy(state)
+    for name, value in state.items():
+        if torch.is_tensor(value):
+            out[name] = to_host(value)
+    return out
+
+
 def buffer_names(module):
     """The names of the module's persistent buffers (those ``state_dict()`` holds)."""
     persistent = set(module.state_dict().keys())
@@ -83,7 +112,7 @@ def persistent_buffers(module):
 
 
 def build_model_states(engine, groups, exclude_frozen_parameters, meta, client_state, optimizer=None, module=None):
-    """The dict a model-states file holds (tensors compacted to the CPU).
+    """The dict a model-states file holds (its module tensors on the host: :func:`host_tensors`).
 
     ``groups``: per param group, the trainable model parameters (``param_shapes``);
     ``optimizer``: the ``optimizer`` entry; ``module``: the ``module`` entry (default: the
@@ -92,7 +121,7 @@ def build_model_states(engine, groups, exclude_frozen_parameters, meta, client_s
     import deepspeed
     name_of = param_names(engine.module)
     if module is None:
-        module = clone_tensors_for_torch_save(module_state_dict(engine.module, exclude_frozen_parameters))
+        module = host_tensors(module_state_dict(engine.module, exclude_frozen_parameters))
     states = dict(
         module=module,
         buffer_names=buffer_names(engine.module),

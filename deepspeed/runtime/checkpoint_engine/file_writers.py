@@ -213,9 +213,11 @@ def full_disk_error(path):
 
 def serialize(obj, file_writer, zipfile=True):
     """``torch.save(obj)`` through ``file_writer``, closed (synced) after; on failure the operating system's error
-    (see the module docstring) is raised, else torch's own."""
+    (see the module docstring) is raised, else torch's own. A view of a larger buffer is written as its own bytes,
+    not the buffer's (``compaction``)."""
+    from deepspeed.runtime.checkpoint_engine.compaction import compact_views
     try:
-        torch.save(obj, file_writer, _use_new_zipfile_serialization=zipfile)
+        torch.save(compact_views(obj), file_writer, _use_new_zipfile_serialization=zipfile)
         file_writer.close()
     except BaseException as exc:
         file_writer.abort()

@@ -3,9 +3,11 @@
 
 :func:`stage_to_host` copies every tensor of a payload (dicts, lists, tuples and any other object that holds
 tensors) into fresh host memory: one copy per storage, so tensors that shared a storage still share one and
-``torch.save`` writes the same file as from the live payload. Tensors on an accelerator go to page-locked memory
-with asynchronous copies and one synchronisation at the end; host tensors are cloned. Non-tensor values are
-deep-copied (a scheduler's state, a loss scaler), so that nothing the writer reads later can change under it.
+``torch.save`` writes the same file as from the live payload. A view of a larger buffer is first given a storage of
+its own bytes (``compaction``), so only what the file will hold is copied. Tensors on an accelerator go to
+page-locked memory with asynchronous copies and one synchronisation at the end; host tensors are cloned. Non-tensor
+values are deep-copied (a scheduler's state, a loss scaler), so that nothing the writer reads later can change
+under it.
 """
 
 import copy
@@ -61,9 +63,11 @@ class _Stager:
 
 def stage_to_host(payloads):
     """``payloads`` (a list of objects) copied into host memory (see the module docstring); returns the copies."""
+    from deepspeed.runtime.checkpoint_engine.compaction import compact_views
     stager = _Stager()
     memo = {}
-    staged = [stager.value(payload, memo) for payload in payloads]
+    # views of a larger buffer first get storages of their own bytes: only what the files hold is copied
+    staged = [stager.value(payload, memo) for payload in compact_views(list(payloads))]
     if stager.accelerated:
         from deepspeed.accelerator import get_accelerator
         get_accelerator().synchronize()
