@@ -5,7 +5,8 @@
 of a flat buffer (ZeRO's bucketed parameters, a partition of a flat master, a slice of a gradient buffer) would
 drag the whole buffer into the file, once for all the views of it that the payload holds. :func:`compact_views`
 gives such views storages of their own that alias exactly the bytes they span (``UntypedStorage`` slicing shares
-memory): the file then holds what the tensors hold, and nothing is copied, on the host or on a device.
+memory): the file then holds what the tensors hold, and nothing is copied. Host tensors only: a tensor on an
+accelerator is written as ``torch.save`` writes it (its storage copied to the host).
 
 Per source storage the payload's distinct views are counted: when their spans add up to less than the storage,
 each view gets its own aliasing storage (views that are the same, a tied weight under two names, get the same
@@ -21,9 +22,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _eligible(tensor):
-    """A plain dense tensor whose values are its storage's bytes read through its strides (a lazily conjugated or
-    negated view, a named, nested or quantized tensor carries more, and is written as it is)."""
-    return (type(tensor) in _PLAIN and tensor.layout == torch.strided and tensor.device.type != "meta"
+    """A plain dense host tensor whose values are its storage's bytes read through its strides (a lazily conjugated
+    or negated view, a named, nested or quantized tensor carries more, and is written as it is). Tensors on an
+    accelerator are left as they are: ``torch.save`` copies their storages to the host as before (the module entry
+    already holds host copies of each view, ``model_state.host_tensors``)."""
+    return (type(tensor) in _PLAIN and tensor.layout == torch.strided and tensor.device.type == "cpu"
             and not tensor.is_quantized and not tensor.is_nested and not tensor.is_conj() and not tensor.is_neg()
             and not any(getattr(tensor, "names", None) or ()))
 
