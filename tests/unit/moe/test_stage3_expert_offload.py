@@ -3,7 +3,8 @@
 
 Several steps of Adam with gradient clipping active (the clip threshold is below every step's norm), worlds 2 and
 4 (experts sharded over expert-data-parallel groups of one and two ranks), fp32 on torch's host Adam (the whole
-host step), fp32 with ``DS_NATIVE_CPU_ADAM=1`` and bf16 (the pipelined unit step). Each cell trains the
+host step), fp32 with ``DS_NATIVE_CPU_ADAM=1`` and bf16 (the pipelined unit step), with ``super_offload``, a device
+share (``ratio`` 0.5) and the optimizer state on disk (``device: nvme``) in one cell each. Each cell trains the
 model of ``test_moe_contract`` twice, with the optimizer offloaded and without, and compares every rank's losses
 and the fp32 masters of the dense parameters and of this rank's experts with a plain-torch run: fp32 cells with
 the token-by-token reference holding every expert (tests/unit/moe/reference.py), bf16 cells with the layer at ep 1
@@ -13,6 +14,8 @@ agree as closely as each agrees with the reference, and bitwise where both step 
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -71,12 +74,15 @@ def _train(ep, k, gas, dtype_name, offload):
     if dtype_name == "bf16":
         config["bf16"] = {"enabled": True}
     if offload:
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_optimization"]["offload_optimizer"] = offload
     engine, _, _, _ = deepspeed.initialize(model=model, config=config)
     stage = engine._stage
     assert (stage.host_step is not None) == bool(offload)
     if offload:  # the unit step where the host step is pipelined (bf16, or fp32 on the native op)
         assert (stage.unit_step is not None) == (dtype_name == "bf16" or os.environ.get("DS_NATIVE_CPU_ADAM") == "1")
+        assert (stage.speculative is not None) == bool(offload.get("super_offload"))
+        assert (stage.host_step.share is not None) == (offload.get("ratio", 1.0) < 1.0)
+        assert (stage.host_step.swap is not None) == (offload["device"] == "nvme")
     for name, p in model.named_parameters():  # experts sharded over their expert-data-parallel group
         over = world // ep if ".deepspeed_experts." in name else world
         assert p.ds_shard_numel == -(-p.ds_numel // over), (name, p.ds_shard_numel, over)
@@ -198,15 +204,18 @@ def _initial(dtype):
     return {n: v.to(dtype).float() for n, v in out.items()}
 
 
-def _cell(ep, k, gas, dtype_name, native):
+def _cell(ep, k, gas, dtype_name, native, offload):
     from deepspeed.utils import groups
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     if native:
         os.environ["DS_NATIVE_CPU_ADAM"] = "1"
+    disk = tempfile.mkdtemp() if offload["device"] == "nvme" else None
     try:
-        offloaded = _train(ep, k, gas, dtype_name, True)
+        offloaded = _train(ep, k, gas, dtype_name, dict(offload, nvme_path=disk) if disk else offload)
     finally:
         os.environ.pop("DS_NATIVE_CPU_ADAM", None)
+        if disk:
+            shutil.rmtree(disk, ignore_errors=True)
     plain = _train(ep, k, gas, dtype_name, False)
     if dtype_name == "fp32":
         ref_losses, ref_masters = _reference_fp32(world, gas, k)
@@ -230,8 +239,15 @@ def _cells(cells):
     return [(cell, bad[:4]) for cell in cells for bad in [_cell(*cell)] if bad]
 
 
-# (ep, k, gas, dtype, native host Adam for fp32)
-@pytest.mark.parametrize("world, cells", [(2, [(2, 2, 2, "fp32", False), (2, 1, 1, "bf16", False)]),
-                                          (4, [(2, 1, 1, "fp32", True), (2, 2, 2, "bf16", False)])])
+CPU, NVME = {"device": "cpu"}, {"device": "nvme"}
+
+
+# (ep, k, gas, dtype, native host Adam for fp32, offload_optimizer): the whole host step on torch's Adam (bitwise
+# with the run without offload), the unit step (bf16, fp32 on the native op), super_offload's speculative step,
+# a device share (ratio < 1) and the optimizer state on disk (nvme)
+@pytest.mark.parametrize("world, cells", [(2, [(2, 2, 2, "fp32", False, CPU),
+                                               (2, 1, 1, "bf16", False, dict(CPU, super_offload=True))]),
+                                          (4, [(2, 1, 1, "fp32", True, dict(CPU, ratio=0.5)),
+                                               (2, 2, 2, "bf16", False, NVME)])])
 def test_stage3_experts_offload_optimizer_trains_like_torch(world, cells):
     assert run_distributed(_cells, world, args=(cells, ), timeout=T) == [[]] * world
