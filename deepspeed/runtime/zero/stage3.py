@@ -657,8 +657,7 @@ def check_expert_support(config, group_names):
     stage-3 feature that does not take them; ``config`` a StageConfig (AutoEP checks before any collective).
 
     ``offload_optimizer`` is not among them: the host step works on the layout's unit segments, whatever group a
-    unit is sharded over. Parameter offload's host shards and fetch ring, ZenFlow's column selection and ZeRO++'s
-    node axis (hpZ, qgZ) and quantized stores assume one sharding group per stage."""
+    unit is sharded over (docs/moe.md). The keys below have not been made to take a second sharding group."""
     zeropp = config.zeropp
     unsupported = [
         ("offload_param", config.offload_param),
