@@ -7,9 +7,9 @@ equals the HF router of the model whose config says the same (DeepSeek's ``route
 ``norm_topk_prob``, ``n_group``/``topk_group``, every family's top-k), and ``score_func`` /
 ``score_apply`` / ``route_scale`` values no HF config expresses equal a plain-torch formula.
 
-Training: tiny models of each preset train with AutoEP at ep 1, 2 and 4 on ZeRO 0-2 (GAS 1 and 4,
-fp32 and bf16, one cell with the optimizer offloaded); losses and gradients equal the unsharded HF
-model's in plain torch, each rank's experts against the same slice of the unsharded experts. A
+Training: tiny models of each preset train with AutoEP at ep 1, 2 and 4 on ZeRO 0-3 (GAS 1 and 4,
+fp32 and bf16, cells with the optimizer offloaded, ZeRO-3 at ep 2 among them); losses and gradients equal the
+unsharded HF model's in plain torch, each rank's experts against the same slice of the unsharded experts. A
 cell with routing keys compares with the HF model whose config routes that way.
 """
 
@@ -311,9 +311,10 @@ CELLS_2 = [("qwen3_moe", 2, 1, 1, "fp32", False, False), ("deepseek_v3", 2, 2, 4
            ("deepseek_v3", 3, 1, 4, "fp32", False, False), ("qwen3_5_moe", 3, 1, 1, "bf16", True, False),
            ("qwen3_5_moe", 1, 2, 1, "bf16", True, False), ("deepseek_v2", 0, 1, 1, "fp32", False, True),
            ("deepseek_v3", 1, 2, 1, "fp32", False, True), ("deepseek_v3", 3, 2, 4, "fp32", False, True)]
-# ZeRO-3 at ep 2 on world 4: the experts sharded over their expert-data-parallel group of two ranks
+# ZeRO-3 at ep 2 on world 4: the experts sharded over their expert-data-parallel group of two ranks (bf16 with the
+# optimizer offloaded: the pipelined unit step)
 CELLS_4 = [("mixtral", 1, 4, 1, "fp32", False, False), ("deepseek_v2", 2, 4, 1, "fp32", False, False),
-           ("qwen3_5_moe", 3, 2, 1, "bf16", False, False)]
+           ("qwen3_5_moe", 3, 2, 1, "bf16", True, False)]
 
 
 def _random_shape(seed):

@@ -4,7 +4,8 @@
 A run trains, saves, and trains on; a fresh engine (other initial weights) loads the checkpoint
 and trains the same steps: its losses and every parameter (read with safe_get_full_fp32_param,
 expert parameters on their own rank) must equal the first run's continuation exactly. The
-MoE layer at ep 2 on ZeRO 0 and 2, AutoEP on a tiny Mixtral on ZeRO 1, both also on ZeRO-3 at ep 2,
+MoE layer at ep 2 on ZeRO 0 and 2, AutoEP on a tiny Mixtral on ZeRO 1, both also on ZeRO-3 at ep 2 (the
+MoE layer also with ``offload_optimizer.device: cpu``, the pipelined host step),
 Adam (so that the optimizer state matters). Resharding: saved at ep 2 (world 4), a full load at ep 1
 and at ep 4, and between ZeRO-3 and ZeRO 1, continues as the saving run did (losses and every expert,
 wherever it now lives). A ZeRO-0 checkpoint (the
@@ -26,6 +27,7 @@ T = 240
 def _engine(kind, stage, ep, seed):
     import deepspeed
     torch.manual_seed(seed)
+    kind, offload = kind.split("+")[0], kind.endswith("+offload")
     if kind == "moe":
         model = Net(ep, 2)
         if seed != 0:  # other weights than the run that saved
@@ -53,12 +55,15 @@ def _engine(kind, stage, ep, seed):
     }
     if kind == "autoep":
         config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, _, _, _ = deepspeed.initialize(model=model, config=config)
     return engine, model
 
 
 def _train(engine, kind, steps, offset):
     rank = torch.distributed.get_rank()
+    kind = kind.split("+")[0]
     losses = []
     for step in range(steps):
         if kind == "moe":
@@ -79,7 +84,18 @@ def _values(engine):
 
 def _resume(kind, stage, ep, directory):
     from deepspeed.utils import groups
+    if kind.endswith("+offload"):  # the pipelined host step: the unit step overlapping the next forward
+        os.environ["DS_NATIVE_CPU_ADAM"] = "1"
+    try:
+        return _resume_run(kind, stage, ep, directory, groups)
+    finally:
+        os.environ.pop("DS_NATIVE_CPU_ADAM", None)
+
+
+def _resume_run(kind, stage, ep, directory, groups):
     engine, _ = _engine(kind, stage, ep, 0)
+    if kind.endswith("+offload"):
+        assert engine._stage.unit_step is not None
     _train(engine, kind, 2, 0)
     engine.save_checkpoint(directory, tag="t")
     want_losses = _train(engine, kind, 2, 2)
@@ -97,13 +113,13 @@ def _resume(kind, stage, ep, directory):
 
 
 @pytest.mark.parametrize("kind, stage, ep", [("moe", 0, 2), ("moe", 2, 2), ("autoep", 1, 2), ("autoep", 3, 1),
-                                             ("moe", 3, 2), ("autoep", 3, 2)])
+                                             ("moe", 3, 2), ("autoep", 3, 2), ("moe+offload", 3, 2)])
 def test_resume_is_exact(kind, stage, ep, tmp_path):
     results = run_distributed(_resume, 2, args=(kind, stage, ep, str(tmp_path)), timeout=T)
     for same_losses, bad, files in results:
         assert same_losses and bad == [], bad
     files = results[0][2]
-    layers = 1 if kind == "moe" else 2
+    layers = 1 if kind.startswith("moe") else 2
     for layer in range(layers):
         for e in range(4):
             assert f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" in files
@@ -165,13 +181,16 @@ def _rank_values(engine):
 def _reshard_cells(directory):
     return (_reshard("moe", 2, os.path.join(directory, "moe")) + _reshard("autoep", 1, os.path.join(directory, "ep"),
                                                                           ((1, None), (4, None), (1, 3), (2, 3))) +
-            _reshard("autoep", 3, os.path.join(directory, "z3"), ((4, None), (2, 1))))
+            _reshard("autoep", 3, os.path.join(directory, "z3"),
+                     ((4, None), (2, 1))) + _reshard("moe+offload", 3, os.path.join(directory, "z3off"),
+                                                     ((4, None), (1, 2))))
 
 
 def test_reshard_across_expert_parallel_sizes(tmp_path):
     """The MoE layer on ZeRO 2 and AutoEP (Mixtral) on ZeRO 1, Adam, world 4: saved at ep 2, loaded at 1 and 4 (AutoEP
     also into ZeRO-3 at ep 1 and 2); AutoEP saved on ZeRO-3 at ep 2 (experts sharded over their expert-data-parallel
-    group), loaded on ZeRO-3 at ep 4 and on ZeRO 1 at ep 2."""
+    group), loaded on ZeRO-3 at ep 4 and on ZeRO 1 at ep 2; the MoE layer saved on ZeRO-3 at ep 2 with the optimizer
+    offloaded, loaded (offloaded) on ZeRO-3 at ep 4 and on ZeRO 2 at ep 1."""
     assert run_distributed(_reshard_cells, 4, args=(str(tmp_path), ), timeout=T) == [[]] * 4
 
 

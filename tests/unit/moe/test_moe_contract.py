@@ -10,7 +10,9 @@ rank's data with a model holding all ``E`` experts (tests/unit/moe/reference.py)
 compare with the same model at ep 1 in plain torch and bf16, so that both sides round alike.
 One micro-step sends every token to the experts of expert-parallel rank 0, so the other rank's
 experts receive no token in it. ZeRO 3 holds experts of expert-parallel size 1 (sharded like dense
-parameters); with a larger size it raises NotImplementedError on every rank.
+parameters) and of size 2 (sharded over their expert-data-parallel group), with the optimizer offloaded too
+(test_stage3_expert_offload.py trains them); with parameter offload, ZenFlow or ZeRO++ it raises
+NotImplementedError on every rank.
 """
 
 import itertools
@@ -292,19 +294,23 @@ def test_moe_contract(world):
     assert failures == [[]] * world, failures[0]
 
 
-def _stage3_offload(key):
+def _stage3_refused(key):
     import deepspeed
     model = Net(2, 1)
     zero = {"stage": 3}
-    if key == "offload_optimizer":
+    if key == "offload_param":
+        zero["offload_optimizer"] = {"device": "cpu"}  # honoured with experts; the parameters' offload is not
+        zero["offload_param"] = {"device": "cpu"}
+    elif key == "zenflow":
         zero["offload_optimizer"] = {"device": "cpu"}
+        zero["zenflow"] = {"topk_ratio": 0.1}
     else:
         zero["zero_hpz_partition_size"] = 2
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": zero,
         "optimizer": {
-            "type": "SGD",
+            "type": "Adam",
             "params": {
                 "lr": 0.1
             }
@@ -313,14 +319,16 @@ def _stage3_offload(key):
     try:
         deepspeed.initialize(model=model, config=config)
     except NotImplementedError as err:
-        return f"zero_optimization.{key}" in str(err) and "stage 3" in str(err)
+        return f"zero_optimization.{key}" in str(err) and "stage 3" in str(err) and \
+            "zero_optimization.offload_optimizer" not in str(err)
     return False
 
 
-@pytest.mark.parametrize("key", ["offload_optimizer", "zero_hpz_partition_size"])
+@pytest.mark.parametrize("key", ["offload_param", "zenflow", "zero_hpz_partition_size"])
 def test_stage3_expert_refusals_on_every_rank(key):
-    """Experts of expert-parallel size > 1 on ZeRO-3 with what does not take them yet: refused by name, every rank."""
-    assert run_distributed(_stage3_offload, 2, args=(key, ), timeout=T) == [True, True]
+    """Experts of expert-parallel size > 1 on ZeRO-3 with what does not take them yet (parameter offload, ZenFlow,
+    ZeRO++): refused by name, every rank (offload_optimizer is not among the keys named)."""
+    assert run_distributed(_stage3_refused, 2, args=(key, ), timeout=T) == [True, True]
 
 
 def test_moe_contract_offload():
