@@ -11,6 +11,7 @@ class CheckpointMixin:
         """Collective: upstream's pipeline layout (per-layer files, per-stage model states, ZeRO files per stage and
         data-parallel rank); see ``deepspeed/runtime/pipe/checkpoint.py``."""
         from deepspeed.runtime.pipe import checkpoint
+        self._states.require("save_checkpoint")  # EngineUsageError while offload_states() holds state
         return checkpoint.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self,
@@ -24,5 +25,6 @@ class CheckpointMixin:
         """Collective: load a pipeline checkpoint (this runtime's or upstream's) into any cut and data-parallel
         size; returns ``(path, client_state)`` or ``(None, None)``."""
         from deepspeed.runtime.pipe import checkpoint
+        self._states.require("load_checkpoint")
         return checkpoint.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, custom_load_fn)
