@@ -141,3 +141,33 @@ def test_upstream_pipeline_checkpoints_continue_as_upstream(cell, world, stages,
     for loaded, loss, after, epoch in results:
         assert loaded < tolerance and loss < tolerance and after < tolerance, results
         assert epoch == 3
+
+
+def _checkpoint_while_offloaded(case, save_dir):
+    """A pipeline engine's save_checkpoint and load_checkpoint after offload_states(): refused by name, as the
+    base engine's are; after reload_states() the save runs."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from tests.unit.runtime.pipe.pipe_cases import batches, build_layers, config_of, loss_fn_of
+    from deepspeed.runtime.engine_parts.usage_errors import EngineUsageError
+    model = PipelineModule(build_layers(case), num_stages=case["stages"], loss_fn=loss_fn_of(case))
+    engine, *_ = deepspeed.initialize(model=model, config=config_of(case))
+    data = iter(batches(case, 8))
+    engine.train_batch(iter([next(data) for _ in range(case["gas"])]))
+    engine.offload_states()
+    refused = []
+    for call in (lambda: engine.save_checkpoint(save_dir), lambda: engine.load_checkpoint(save_dir)):
+        try:
+            call()
+        except EngineUsageError as exc:
+            refused.append("reload_states" in str(exc))
+    engine.reload_states()
+    engine.save_checkpoint(save_dir)
+    engine.destroy()
+    return refused
+
+
+def test_checkpoint_refused_while_states_are_offloaded(tmp_path):
+    case = dict(world=2, stages=2, gas=2, widths=[16, 8, 8, 8, 4], zero=1, optimizer="adam")
+    for refused in run_distributed(_checkpoint_while_offloaded, 2, args=(case, str(tmp_path)), timeout=120):
+        assert refused == [True, True]

@@ -99,32 +99,3 @@ def test_shape_error_names_what_differs():
     for message in run_distributed(_changing_width, 2, args=(case, ), timeout=120):
         assert message is not None
         assert "tensor 0" in message and "shape [3, 8]" in message and "[2, 8]" in message, message
-
-
-def _checkpoint_while_offloaded(case, save_dir):
-    """A pipeline engine's save_checkpoint and load_checkpoint after offload_states(): refused by name, as the
-    base engine's are; after reload_states() the save runs."""
-    import deepspeed
-    from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.engine_parts.usage_errors import EngineUsageError
-    model = PipelineModule(build_layers(case), num_stages=case["stages"], loss_fn=loss_fn_of(case))
-    engine, *_ = deepspeed.initialize(model=model, config=config_of(case))
-    data = iter(batches(case, 8))
-    engine.train_batch(iter([next(data) for _ in range(case["gas"])]))
-    engine.offload_states()
-    refused = []
-    for call in (lambda: engine.save_checkpoint(save_dir), lambda: engine.load_checkpoint(save_dir)):
-        try:
-            call()
-        except EngineUsageError as exc:
-            refused.append("reload_states" in str(exc))
-    engine.reload_states()
-    engine.save_checkpoint(save_dir)
-    engine.destroy()
-    return refused
-
-
-def test_checkpoint_refused_while_states_are_offloaded(tmp_path):
-    case = dict(world=2, stages=2, gas=2, widths=W, zero=1, optimizer="adam")
-    for refused in run_distributed(_checkpoint_while_offloaded, 2, args=(case, str(tmp_path)), timeout=120):
-        assert refused == [True, True]
