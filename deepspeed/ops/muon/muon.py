@@ -147,17 +147,19 @@ class MuonWithAuxAdam(MatrixOptimizer):
             if group["use_muon"]:
                 self.muon_group_step(group)
         if self.aux_optimizer is not None:
-            # load_state_dict replaces the group dicts: the Adam follows this optimizer's current ones
-            self.aux_optimizer.param_groups = [g for g in self.param_groups if not g["use_muon"]]
-            self.aux_optimizer.state = self.state
+            self._bind_aux()
             self.aux_optimizer.step()
         return loss
+
+    def _bind_aux(self):
+        # load_state_dict replaces the group dicts: the Adam follows this optimizer's current ones and its state
+        self.aux_optimizer.param_groups = [g for g in self.param_groups if not g["use_muon"]]
+        self.aux_optimizer.state = self.state
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         if self.aux_optimizer is not None:
-            self.aux_optimizer.param_groups = [g for g in self.param_groups if not g["use_muon"]]
-            self.aux_optimizer.state = self.state
+            self._bind_aux()
             for group in self.aux_optimizer.param_groups:
                 self._choose_kernel(group)
 
