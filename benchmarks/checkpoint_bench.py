@@ -90,30 +90,35 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def ds_config(micro_batch, bf16):
+    """The DeepSpeed config of every system of this benchmark (and of checkpoint_profile.py): ZeRO-1, torch's AdamW."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-4,
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": 1
+        },
+        "bf16": {
+            "enabled": bf16
+        },
+        "steps_per_print": 10**9,
+    }
+
+
 class DeepSpeedRun:
     """Ours or upstream's engine (whichever ``import deepspeed`` finds)."""
 
     def __init__(self, model, writer, args, device):
         import deepspeed
         print(f"deepspeed {deepspeed.__version__} from {deepspeed.__file__}", flush=True)
-        cfg = {
-            "train_micro_batch_size_per_gpu": args.micro,
-            "gradient_accumulation_steps": 1,
-            "optimizer": {
-                "type": "AdamW",
-                "params": {
-                    "lr": 1e-4,
-                    "torch_adam": True
-                }
-            },
-            "zero_optimization": {
-                "stage": 1
-            },
-            "bf16": {
-                "enabled": device.type == "cuda"
-            },
-            "steps_per_print": 10**9,
-        }
+        cfg = ds_config(args.micro, bf16=device.type == "cuda")
         if writer is not None:
             cfg["checkpoint"] = {"writer": dict(writer)}
         self.engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]

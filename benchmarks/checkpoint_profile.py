@@ -36,6 +36,7 @@ if _REPO_ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.checkpoint_bench import ds_config  # noqa: E402
 from benchmarks.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
 
 
@@ -152,24 +153,7 @@ def run(args):
     torch.manual_seed(1234)
     model = GPT(cfg)
     params = sum(p.numel() for p in model.parameters())
-    ds_cfg = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": 1e-4,
-                "torch_adam": True
-            }
-        },
-        "zero_optimization": {
-            "stage": 1
-        },
-        "bf16": {
-            "enabled": not args.no_bf16
-        },
-        "steps_per_print": 10**9,
-    }
+    ds_cfg = ds_config(1, bf16=not args.no_bf16)
     engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)[0]
     tokens = torch.randint(0, cfg.vocab, (1, args.tokens + 1), generator=torch.Generator().manual_seed(0))
     loss = lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
