@@ -22,6 +22,7 @@ import torch
 
 from deepspeed.runtime.engine_parts.usage_errors import EngineUsageError
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from deepspeed.runtime.zero.stages import communication_dtype
 from deepspeed.utils import groups
 
 DOCS = "docs/compatibility.md"
@@ -348,9 +349,7 @@ class EngineAPI:
     # ------------------------------------------------------------------ misc
     @property
     def communication_data_type(self):
-        configured = self._config.communication_data_type
-        if self.mesh.description.sequence_parallel_size > 1:  # upstream's rule: see zero/stages.communication_dtype
-            configured = self._config.seq_parallel_communication_data_type
+        configured = communication_dtype(self._config, self.mesh.description.sequence_parallel_size)
         if configured is not None:
             return configured
         if self.fp16_enabled():

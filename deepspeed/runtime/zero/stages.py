@@ -86,7 +86,7 @@ class StageConfig:
                    accum_dtype=cfg.grad_accum_dtype or masters,
                    master_dtype=masters,
                    states_16bit=bool(cfg.bf16_optimizer_states) and masters != torch.float32,
-                   comm_dtype=communication_dtype(cfg),
+                   comm_dtype=communication_dtype(cfg, _sequence_parallel_size()),
                    average=cfg.gradient_allreduce_op != "sum",
                    requires_loss_scale=bool(cfg.fp16_enabled),
                    bucket_numel=int(zero.reduce_bucket_size),
@@ -110,11 +110,11 @@ class StageConfig:
                    zeropp=zeropp)
 
 
-def communication_dtype(cfg):
+def communication_dtype(cfg, sequence_parallel_size):
     """The dtype gradients are reduced in (None: the accumulation dtype). With sequence parallelism it is
     ``seq_parallel_communication_data_type`` (fp32 unless set), whatever ``communication_data_type`` says, as
     upstream's engine does."""
-    if _sequence_parallel_size() > 1:
+    if sequence_parallel_size > 1:
         return cfg.seq_parallel_communication_data_type
     return cfg.communication_data_type
 
