@@ -112,6 +112,28 @@ def step_range(optimizer, g, param, grad, state, out=None, fused_copy=False):
         optimizer.state.pop(part, None)
 
 
+def step_page(optimizer, g, param, grad, fields, rest, out, fused_copy):
+    """One range's step, as both the real step and the probe take it: the range's per-element state views
+    ``fields`` and a copy of the group's other entries ``rest`` as its state; ``out`` receives the 16-bit copy.
+    A per-element value the optimizer replaced rather than updated in place is copied back into ``fields``.
+    Returns ``(created, after)``: the per-element state the optimizer made on this range (its first step), and the
+    other entries after the step."""
+    length = param.numel()
+    page_state = _copied(rest)
+    page_state.update(fields)
+    new = step_range(optimizer, g, param, grad, page_state, out, fused_copy)
+    if not fused_copy:
+        out.copy_(param)
+    per_element, after = split_state(new, length)
+    created = {}
+    for key, value in per_element.items():
+        if key not in fields:
+            created[key] = value
+        elif value.data_ptr() != fields[key].data_ptr():
+            fields[key].copy_(value)
+    return created, after
+
+
 def _probe_run(optimizer, g, init, grads, pages, out_dtype, fused_copy):
     """Step ``init`` with each of ``grads`` over the ranges ``pages``; the parameter, its copy and the state."""
     param = init.clone()
@@ -121,21 +143,12 @@ def _probe_run(optimizer, g, init, grads, pages, out_dtype, fused_copy):
         created, after = {}, {}
         start = 0
         for length in pages:
-            page_state = _copied(rest)
-            page_state.update({k: v.narrow(0, start, length) for k, v in fields.items()})
-            piece = param.narrow(0, start, length)
-            target = out.narrow(0, start, length)
-            new = step_range(optimizer, g, piece, grad.narrow(0, start, length), page_state, target, fused_copy)
-            if not fused_copy:
-                target.copy_(piece)
-            per_element, after = split_state(new, length)
-            for key, value in per_element.items():
-                if key in fields:
-                    if value.data_ptr() != fields[key].narrow(0, start, length).data_ptr():
-                        fields[key].narrow(0, start, length).copy_(value)
-                else:
-                    created.setdefault(key, torch.zeros(param.numel(), dtype=value.dtype)).narrow(0, start,
-                                                                                                  length).copy_(value)
+            new, after = step_page(optimizer, g, param.narrow(0, start, length), grad.narrow(0, start, length),
+                                   {k: v.narrow(0, start, length) for k, v in fields.items()}, rest,
+                                   out.narrow(0, start, length), fused_copy)
+            for key, value in new.items():
+                created.setdefault(key, torch.zeros(param.numel(), dtype=value.dtype)).narrow(0, start,
+                                                                                              length).copy_(value)
             start += length
         fields.update(created)
         rest = after
@@ -268,18 +281,11 @@ class PagedStep:
                 param = master.data.narrow(0, start, length)
                 fields = {k: v.narrow(0, start, length) for k, v in held.items()}
             try:
-                page_state = _copied(rest)
-                page_state.update(fields)
                 out = target.narrow(0, start, length) if target is not None else scratch.narrow(0, 0, length)
-                new = step_range(optimizer, g, param, grad.narrow(0, start, length), page_state, out, fused_copy)
-                if not fused_copy:
-                    out.copy_(param)
-                per_element, after = split_state(new, length)
-                for key, value in per_element.items():
-                    if key in fields:
-                        if value.data_ptr() != fields[key].data_ptr():  # replaced rather than updated in place
-                            fields[key].copy_(value)
-                    elif view is not None:
+                new, after = step_page(optimizer, g, param, grad.narrow(0, start, length), fields, rest, out,
+                                       fused_copy)
+                for key, value in new.items():
+                    if view is not None:
                         if key not in view.fields:
                             raise RuntimeError(f"NVMe offload: the optimizer created state '{key}', which the "
                                                f"optimizer tier does not hold (it holds {sorted(swap.keys)})")
