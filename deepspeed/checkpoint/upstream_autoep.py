@@ -12,14 +12,15 @@ The facts of upstream's format this relies on (written on CPU/gloo with upstream
   ``<prefix>.w1.<E>`` ``[F, H]`` (the gate projection), ``<prefix>.w3.<E>`` ``[F, H]`` (the up projection) and
   ``<prefix>.w2.<E>`` ``[H, F]``;
 * the optimizer files hold the dense parameters in the usual partitioned groups and the experts in param groups
-  marked ``moe`` (named ``ep_size_<ep>``), partitioned over the expert-data-parallel group: with one rank per
-  expert-data-parallel group, rank ``r`` (expert-parallel rank ``r % ep``) holds its local experts' ``w1``,
-  ``w2``, ``w3`` (``[L, F, H]`` ...) whole.
+  marked ``moe`` (named ``ep_size_<ep>``), partitioned over the expert-data-parallel group: rank ``r`` is
+  expert-parallel rank ``r % ep`` and expert-data-parallel rank ``r // ep``; the ranks of expert-parallel rank
+  ``j`` (``j, j + ep, ...``, in that order) split the flat group of ``j``'s local experts' ``w1``, ``w2``, ``w3``
+  (``[L, F, H]`` ...) between them, each naming its fragments in ``param_slice_mappings`` (with one rank per
+  expert-data-parallel group, rank ``j`` holds them whole).
 
 This package keeps the model's block and stacks the experts as ``gate_up_proj [E, 2F, H]`` (gate rows first) and
 ``down_proj [E, H, F]``. The functions below give every expert parameter under this package's name with all
 ``E`` experts stacked (global order); ``runtime.checkpoint.expert.localize_global_experts`` cuts out each rank's.
-Expert-data-parallel groups of more than one rank raise NotImplementedError naming it.
 """
 
 import os
@@ -48,14 +49,7 @@ def rename(name):
 
 
 def _layers(model_states):
-    layers = sorted(model_states[LAYERS_KEY], key=lambda layer: layer["moe_layer_id"])
-    for layer in layers:
-        edp = int(layer.get("expert_data_parallel_world_size") or 1)
-        if edp != 1:
-            raise NotImplementedError(f"an upstream AutoEP checkpoint with expert_data_parallel_world_size {edp} "
-                                      f"(layer '{layer.get('module_path')}'): only one rank per expert-data-parallel "
-                                      f"group is read")
-    return layers
+    return sorted(model_states[LAYERS_KEY], key=lambda layer: layer["moe_layer_id"])
 
 
 def _fused(w1, w3, w2):
@@ -103,21 +97,33 @@ def expert_group(model_states, saved, files, g, group, group_state, with_state):
         raise NotImplementedError(f"{files[0]}: upstream AutoEP layers with expert-parallel sizes {sorted(ep)} over "
                                   f"{len(saved)} ranks")
     ep = next(iter(ep))
+    edp = len(saved) // ep
+    for layer in layers.values():
+        saved_edp = int(layer.get("expert_data_parallel_world_size") or 1)
+        if saved_edp != edp:
+            raise CheckpointError(f"{files[0]}: layer '{layer.get('module_path')}' names expert-data-parallel size "
+                                  f"{saved_edp}, but {len(saved)} ranks at expert-parallel size {ep} make {edp}")
     states = [group_state(osd, g, path) for osd, path in zip(saved, files)]
 
-    def local(rank, name, shape, source):
-        address = saved[rank][C.PARAM_SLICE_MAPPINGS][g].get(name)
+    def local(j, name, shape, source_of):
+        """Expert-parallel rank ``j``'s value of ``name``: its expert-data-parallel ranks' fragments, in order."""
         numel = 1
         for d in shape:
             numel *= int(d)
-        if address is None or address.numel != numel:
-            raise CheckpointError(
-                f"{files[rank]}: '{name}' is not whole in rank {rank}'s partition of param group {g}")
-        return source.narrow(0, address.start, numel).view(tuple(shape))
+        chunks = []
+        for rank in range(j, len(saved), ep):
+            address = saved[rank][C.PARAM_SLICE_MAPPINGS][g].get(name)
+            if address is not None:
+                chunks.append(source_of(rank).narrow(0, address.start, address.numel))
+        if sum(c.numel() for c in chunks) != numel:
+            raise CheckpointError(f"{files[j]}: the fragments of '{name}' in param group {g} over ranks "
+                                  f"{list(range(j, len(saved), ep))} hold {sum(c.numel() for c in chunks)} "
+                                  f"elements, its shape {tuple(shape)} needs {numel}")
+        return torch.cat(chunks).view(tuple(shape))
 
     def stacked(name, shape, source_of):
-        # expert-parallel rank j's experts come first from rank j (one rank per expert-data-parallel group)
-        return torch.cat([local(j, name, shape, source_of(j)) for j in range(ep)])
+        # expert-parallel rank j's experts come first (global expert order)
+        return torch.cat([local(j, name, shape, source_of) for j in range(ep)])
 
     keys = [k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() == 1 and k != "step"]
     scalars = {k: v for k, v in states[0].items() if k not in keys}

@@ -228,20 +228,21 @@ def test_stage0_checkpoint_other_expert_parallel_size_loads_the_module_only(tmp_
         assert full == "CheckpointError" and same
 
 
-def _from_upstream(fixture):
-    """Upstream 0.19.8's AutoEP checkpoint (ep 2, ZeRO 1) loaded at ep 2 and at ep 1 (fresh engines, other initial
-    weights): the next two losses equal those upstream recorded when it continued."""
+def _from_upstream(fixture, stage, sizes):
+    """An upstream 0.19.8 AutoEP checkpoint (ep 2, ZeRO ``stage``) loaded at each expert-parallel size of ``sizes``
+    (fresh engines, other initial weights): the next two losses equal those upstream recorded when it continued."""
     import deepspeed
     from deepspeed.utils import groups
-    from tests.unit.checkpoint.upstream.write_autoep_fixtures import TAG, ds_config, tokens
+    from tests.unit.checkpoint.upstream.write_autoep_fixtures import TAG, ds_config, model_overrides, tokens
     from tests.unit.moe.autoep_models import mixtral
     rank = torch.distributed.get_rank()
     want = torch.load(os.path.join(fixture, "trajectory.pt"))["losses"][rank]
     bad = []
-    for ep in (2, 1):
-        config = ds_config(False)
+    overrides = model_overrides(torch.distributed.get_world_size())
+    for ep in sizes:
+        config = ds_config(False, stage)
         config["expert_parallel"]["autoep_size"] = ep
-        engine, _, _, _ = deepspeed.initialize(model=mixtral(seed=9), config=config)
+        engine, _, _, _ = deepspeed.initialize(model=mixtral(seed=9, **overrides), config=config)
         engine.load_checkpoint(fixture, tag=TAG)
         got = []
         for step in (2, 3):
@@ -257,7 +258,15 @@ def _from_upstream(fixture):
     return bad
 
 
+def _fixture(cell):
+    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "checkpoint", "upstream", "fixtures_autoep", cell)
+
+
 def test_upstream_autoep_checkpoint_loads_and_continues():
-    fixture = os.path.join(os.path.dirname(os.path.dirname(__file__)), "checkpoint", "upstream", "fixtures_autoep",
-                           "ep2-z1")
-    assert run_distributed(_from_upstream, 2, args=(fixture, ), timeout=T) == [[], []]
+    assert run_distributed(_from_upstream, 2, args=(_fixture("ep2-z1"), 1, (2, 1)), timeout=T) == [[], []]
+
+
+def test_upstream_autoep_checkpoint_split_over_expert_data_parallel_ranks():
+    """World 4 at ep 2, ZeRO 2: each expert-data-parallel group holds two ranks, which split the experts'
+    partitions between them in upstream's files (one parameter in two fragments); loaded at ep 2, 4 and 1."""
+    assert run_distributed(_from_upstream, 4, args=(_fixture("ep2-z2-w4"), 2, (2, 4, 1)), timeout=T) == [[]] * 4

@@ -5,13 +5,15 @@ Command (from a directory that is not a checkout of this repository, so that ups
 
     cd /tmp && DS_ACCELERATOR=cpu <venv with upstream 0.19.8>/bin/torchrun --nproc_per_node 2 \\
         <repo>/tests/unit/checkpoint/upstream/write_autoep_fixtures.py \\
-        [--out <repo>/tests/unit/checkpoint/upstream/fixtures_autoep]
+        [--stage 1] [--out <repo>/tests/unit/checkpoint/upstream/fixtures_autoep]
 
 Two gloo processes on the CPU run upstream's AutoEP (``expert_parallel {enabled, autoep_size: 2}``) over the tiny
 Mixtral of ``tests/unit/moe/autoep_models.py`` (fp32, ZeRO stage 1, Adam with ``torch_adam``, weight decay 0),
 for 2 steps, then ``save_checkpoint(<out>/ep2-z1, tag="t2")``; ``trajectory.pt`` records the losses of the next 2
 steps upstream takes (rank ``r``, step ``s``: the tokens of :func:`tokens`). Upstream 0.19.8's AutoEP runs on
-CPU and gloo.
+CPU and gloo. With ``--nproc_per_node 4 ... --stage 2`` the cell is ``ep2-z2-w4``: each expert-data-parallel
+group holds two ranks, which split the experts' optimizer partitions between them; the model has three layers
+there, so that the split falls inside a parameter (layer 1's ``w2``), not between two.
 """
 
 import argparse
@@ -25,11 +27,21 @@ TAG = "t2"
 CELL = "ep2-z1"
 
 
+def cell(stage, world):
+    """The fixture directory's name for ZeRO ``stage`` over ``world`` ranks (ep 2)."""
+    return f"ep2-z{stage}" + (f"-w{world}" if world != 2 else "")
+
+
 def tokens(step, rank):
     return (torch.arange(6) * (step + 1) + rank).remainder(32).unsqueeze(0)
 
 
-def ds_config(torch_adam):
+def model_overrides(world):
+    """The tiny Mixtral's config overrides for a fixture written over ``world`` ranks."""
+    return {"num_hidden_layers": 3} if world != 2 else {}
+
+
+def ds_config(torch_adam, stage=1):
     params = {"lr": 0.01, "weight_decay": 0.0}
     if torch_adam:
         params["torch_adam"] = True
@@ -37,7 +49,7 @@ def ds_config(torch_adam):
         "train_micro_batch_size_per_gpu": 1,
         "gradient_clipping": 0.0,
         "zero_optimization": {
-            "stage": 1
+            "stage": stage
         },
         "optimizer": {
             "type": "Adam",
@@ -52,6 +64,7 @@ def ds_config(torch_adam):
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--out", default=os.path.join(REPO, "tests/unit/checkpoint/upstream/fixtures_autoep"))
     args = parser.parse_args()
     import deepspeed
@@ -60,12 +73,12 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     print("deepspeed", deepspeed.__version__, deepspeed.__file__)
-    engine, _, _, _ = deepspeed.initialize(model=mixtral(), config=ds_config(True))
+    engine, _, _, _ = deepspeed.initialize(model=mixtral(**model_overrides(torch.distributed.get_world_size())), config=ds_config(True, args.stage))
     for step in range(2):
         ids = tokens(step, rank)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-    out = os.path.join(args.out, CELL)
+    out = os.path.join(args.out, cell(args.stage, torch.distributed.get_world_size()))
     engine.save_checkpoint(out, tag=TAG)
     losses = []
     for step in range(2, 4):
