@@ -73,7 +73,8 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     print("deepspeed", deepspeed.__version__, deepspeed.__file__)
-    engine, _, _, _ = deepspeed.initialize(model=mixtral(**model_overrides(torch.distributed.get_world_size())), config=ds_config(True, args.stage))
+    model = mixtral(**model_overrides(torch.distributed.get_world_size()))
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config(True, args.stage))
     for step in range(2):
         ids = tokens(step, rank)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
