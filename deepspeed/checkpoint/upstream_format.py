@@ -113,9 +113,9 @@ class UpstreamCheckpoint:
         self.bf16 = bool((config.get("bf16") or config.get("bfloat16") or {}).get("enabled", False))
         self.hysteresis = int((config.get("fp16") or {}).get("hysteresis", 2))
         self.stage = 3 if self.per_rank else self._replicated_stage()
-        if upstream_autoep.is_autoep(model_states) and self.stage not in (1, 2):
-            raise NotImplementedError(f"{model_path}: an upstream AutoEP checkpoint of ZeRO stage {self.stage}; only "
-                                      f"stages 1 and 2 are read (docs/moe.md)")
+        if upstream_autoep.is_autoep(model_states) and self.stage == 0:
+            raise NotImplementedError(f"{model_path}: an upstream AutoEP checkpoint of ZeRO stage 0; stages 1-3 are "
+                                      f"read (docs/moe.md)")
 
     # ------------------------------------------------------------ what it is
     def _check_supported(self):
@@ -471,31 +471,49 @@ class UpstreamCheckpoint:
                 chunks.append(part.narrow(0, offset, take))
             return torch.cat(chunks), shard
 
-        full = FullState()
-        for i, group in enumerate(shapes):
-            offset = 0
-            for name, shape in group.items():
-                numel = _numel(shape)
-                value, shard = cut([f[i] for f in flats], name, numel, offset, C.FP32_FLAT_GROUPS)
-                full.fp32[name] = value.float().view(tuple(shape)).clone()
-                offset += shard
-        frozen = self._zero3_frozen(world)
         inner0 = saved[0].get(C.OPTIMIZER_STATE_DICT)
         if not isinstance(inner0, dict) or C.PARAM_GROUPS not in inner0:
             raise CheckpointError(f"{files[0]}: no torch optimizer state dict under "
                                   f"'{C.OPTIMIZER_STATE_DICT}.{C.OPTIMIZER_STATE_DICT}'")
+        autoep = upstream_autoep.is_autoep(self.checkpoint)
+        rename = upstream_autoep.rename if autoep else (lambda name: name)
+        # upstream AutoEP's experts: sub-groups of its ``moe`` param groups, sharded over their expert-data-parallel
+        # group; read in this package's names, every expert stacked in global order
+        experts = {i for group in inner0[C.PARAM_GROUPS] if autoep and group.get("moe") for i in group["params"]}
+        full = FullState()
+        names_of = {}
+        for i in sorted(experts):
+            names, fp32, state = upstream_autoep.zero3_expert_group(self.checkpoint, saved, files, i, shapes[i],
+                                                                    with_state)
+            names_of[i] = names
+            full.fp32.update(fp32)
+            full.state.update(state)
+        for i, group in enumerate(shapes):
+            if i in experts:
+                continue
+            names_of[i] = [rename(name) for name in group]
+            offset = 0
+            for name, shape in group.items():
+                numel = _numel(shape)
+                value, shard = cut([f[i] for f in flats], name, numel, offset, C.FP32_FLAT_GROUPS)
+                full.fp32[rename(name)] = value.float().view(tuple(shape)).clone()
+                offset += shard
+        frozen = self._zero3_frozen(world)
         for group in inner0[C.PARAM_GROUPS]:
-            full.group_names.append([name for i in group["params"] for name in shapes[i]])
+            full.group_names.append([name for i in group["params"] for name in names_of[i]])
         scaler = self._scaler(saved[0])
         if not with_state:
             return full, frozen, scaler
         full.groups = [{k: v for k, v in group.items() if k != "params"} for group in inner0[C.PARAM_GROUPS]]
         for i, group in enumerate(shapes):
+            if i in experts:
+                continue
             states = [osd[C.OPTIMIZER_STATE_DICT]["state"].get(i, {}) for osd in saved]
             for key, value in states[0].items():
                 if key == STEP_KEY or not torch.is_tensor(value) or value.dim() == 0:
                     for name in group:
-                        full.state.setdefault(name, {})[key] = value.clone() if torch.is_tensor(value) else value
+                        full.state.setdefault(rename(name),
+                                              {})[key] = value.clone() if torch.is_tensor(value) else value
                     continue
                 if value.numel() != flats[0][i].numel():
                     raise NotImplementedError(f"{files[0]}: optimizer state '{key}' of sub-group {i} has "
@@ -505,7 +523,7 @@ class UpstreamCheckpoint:
                 for name, shape in group.items():
                     numel = _numel(shape)
                     piece, shard = cut([s[key] for s in states], name, numel, offset, key)
-                    full.state.setdefault(name, {})[key] = piece.view(tuple(shape)).clone()
+                    full.state.setdefault(rename(name), {})[key] = piece.view(tuple(shape)).clone()
                     offset += shard
         return full, frozen, scaler
 
@@ -540,7 +558,16 @@ class UpstreamCheckpoint:
         """``{name: shape}`` of :meth:`module_values` for an AutoEP checkpoint (renamed, experts added), else None."""
         if not upstream_autoep.is_autoep(self.checkpoint):
             return None
-        return {name: tuple(value.shape) for name, value in self.module_values().items() if torch.is_tensor(value)}
+        shapes = {name: tuple(value.shape) for name, value in self.module_values().items() if torch.is_tensor(value)}
+        if self.per_rank:  # ZeRO-3: the parameters are in the partitions; experts under this package's stacked names
+            shapes.update((upstream_autoep.rename(name), tuple(shape))
+                          for group in self.checkpoint.get(C.PARAM_SHAPES) or [] for name, shape in group.items())
+            experts = upstream_autoep.expert_shapes(self.checkpoint)
+            for prefix in {name.rsplit(".", 1)[0] for name in experts}:
+                for w in ("w1", "w2", "w3"):
+                    shapes.pop(f"{prefix}.{w}", None)
+            shapes.update(experts)
+        return shapes
 
 
 def find_model_states(directory):

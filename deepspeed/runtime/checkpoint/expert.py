@@ -188,7 +188,9 @@ def _upstream_autoep(directory):
     from deepspeed.runtime.checkpoint.reader import META_KEY
     path = os.path.join(directory, paths.model_states_name(0))
     if not os.path.exists(path):
-        return False
+        path = os.path.join(directory, paths.zero3_model_states_name(0))  # stage 3: every rank writes its own
+        if not os.path.exists(path):
+            return False
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     return META_KEY not in ckpt and is_autoep(ckpt)
 

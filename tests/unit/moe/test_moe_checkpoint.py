@@ -270,3 +270,11 @@ def test_upstream_autoep_checkpoint_split_over_expert_data_parallel_ranks():
     """World 4 at ep 2, ZeRO 2: each expert-data-parallel group holds two ranks, which split the experts'
     partitions between them in upstream's files (one parameter in two fragments); loaded at ep 2, 4 and 1."""
     assert run_distributed(_from_upstream, 4, args=(_fixture("ep2-z2-w4"), 2, (2, 4, 1)), timeout=T) == [[]] * 4
+
+
+@pytest.mark.parametrize("cell, world, sizes", [("ep2-z3", 2, (2, 1)), ("ep2-z3-w4", 4, (2, 4))])
+def test_upstream_autoep_zero3_checkpoint_loads_and_continues(cell, world, sizes):
+    """Upstream's ZeRO-3 AutoEP saves (experts in the optimizer partitions, no per-expert files): at ep 2 on 2 ranks
+    (one rank per expert-data-parallel group) and on 4 ranks (each expert parameter sharded over two), loaded onto
+    ZeRO-3 at ep 2 and at another size."""
+    assert run_distributed(_from_upstream, world, args=(_fixture(cell), 3, sizes), timeout=T) == [[]] * world
