@@ -228,9 +228,10 @@ def test_stage0_checkpoint_other_expert_parallel_size_loads_the_module_only(tmp_
         assert full == "CheckpointError" and same
 
 
-def _from_upstream(fixture, stage, sizes):
-    """An upstream 0.19.8 AutoEP checkpoint (ep 2, ZeRO ``stage``) loaded at each expert-parallel size of ``sizes``
-    (fresh engines, other initial weights): the next two losses equal those upstream recorded when it continued."""
+def _from_upstream(fixture, targets):
+    """An upstream 0.19.8 AutoEP checkpoint (ep 2) loaded at each ``(expert-parallel size, ZeRO stage)`` of
+    ``targets`` (fresh engines, other initial weights): the next two losses equal those upstream recorded when it
+    continued."""
     import deepspeed
     from deepspeed.utils import groups
     from tests.unit.checkpoint.upstream.write_autoep_fixtures import TAG, ds_config, model_overrides, tokens
@@ -239,7 +240,7 @@ def _from_upstream(fixture, stage, sizes):
     want = torch.load(os.path.join(fixture, "trajectory.pt"))["losses"][rank]
     bad = []
     overrides = model_overrides(torch.distributed.get_world_size())
-    for ep in sizes:
+    for ep, stage in targets:
         config = ds_config(False, stage)
         config["expert_parallel"]["autoep_size"] = ep
         engine, _, _, _ = deepspeed.initialize(model=mixtral(seed=9, **overrides), config=config)
@@ -254,7 +255,7 @@ def _from_upstream(fixture, stage, sizes):
         engine.destroy()
         groups.reset_mesh()
         if any(abs(a - b) > 1e-6 * abs(b) for a, b in zip(got, want)):
-            bad.append(f"ep {ep}: {got} vs upstream's {want}")
+            bad.append(f"ep {ep}, ZeRO {stage}: {got} vs upstream's {want}")
     return bad
 
 
@@ -263,18 +264,19 @@ def _fixture(cell):
 
 
 def test_upstream_autoep_checkpoint_loads_and_continues():
-    assert run_distributed(_from_upstream, 2, args=(_fixture("ep2-z1"), 1, (2, 1)), timeout=T) == [[], []]
+    assert run_distributed(_from_upstream, 2, args=(_fixture("ep2-z1"), ((2, 1), (1, 1))), timeout=T) == [[], []]
 
 
 def test_upstream_autoep_checkpoint_split_over_expert_data_parallel_ranks():
     """World 4 at ep 2, ZeRO 2: each expert-data-parallel group holds two ranks, which split the experts'
-    partitions between them in upstream's files (one parameter in two fragments); loaded at ep 2, 4 and 1."""
-    assert run_distributed(_from_upstream, 4, args=(_fixture("ep2-z2-w4"), 2, (2, 4, 1)), timeout=T) == [[]] * 4
+    partitions between them in upstream's files (one parameter in two fragments); loaded at ep 2, 4 and 1 (ZeRO-3)."""
+    targets = ((2, 2), (4, 2), (1, 3))
+    assert run_distributed(_from_upstream, 4, args=(_fixture("ep2-z2-w4"), targets), timeout=T) == [[]] * 4
 
 
-@pytest.mark.parametrize("cell, world, sizes", [("ep2-z3", 2, (2, 1)), ("ep2-z3-w4", 4, (2, 4))])
-def test_upstream_autoep_zero3_checkpoint_loads_and_continues(cell, world, sizes):
+@pytest.mark.parametrize("cell, world, targets", [("ep2-z3", 2, ((2, 3), (1, 1))), ("ep2-z3-w4", 4, ((2, 3), (4, 2)))])
+def test_upstream_autoep_zero3_checkpoint_loads_and_continues(cell, world, targets):
     """Upstream's ZeRO-3 AutoEP saves (experts in the optimizer partitions, no per-expert files): at ep 2 on 2 ranks
     (one rank per expert-data-parallel group) and on 4 ranks (each expert parameter sharded over two), loaded onto
-    ZeRO-3 at ep 2 and at another size."""
-    assert run_distributed(_from_upstream, world, args=(_fixture(cell), 3, sizes), timeout=T) == [[]] * world
+    ZeRO-3 at ep 2 and onto ZeRO 1 or 2 at another size."""
+    assert run_distributed(_from_upstream, world, args=(_fixture(cell), targets), timeout=T) == [[]] * world
