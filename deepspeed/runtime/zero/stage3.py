@@ -21,8 +21,9 @@ factor, so the optimizer-visible gradient stays the mean over the global batch. 
 still cover every parameter of the model once, so the norm and the non-finite verdict, summed over the
 data-parallel group, count every expert once. ``offload_optimizer`` takes them unchanged: an expert unit's
 segments of the host partitions (sized by its group, like its gradient and 16-bit shards) are stepped like any
-other (the whole step or the unit step), and its uploaded 16-bit shard is what its group gathers. Parameter
-offload, ZenFlow and ZeRO++ refuse them by name (``check_expert_support``).
+other (the whole step or the unit step), and its uploaded 16-bit shard is what its group gathers. ZeRO++ takes
+them over their group (``_zeropp``: the same wire and quantized transport, hpZ on the group's sub-nodes of the node
+axis). Parameter offload and ZenFlow refuse them by name (``check_expert_support``).
 
 The step side. Each optimizer param group's partition on a rank is the concatenation, in
 unit order, of that group's parameter shards (``UnitPartitionLayout``); the 16-bit shards
