@@ -10,6 +10,11 @@ runs of ``ep`` ranks:
 * a cross-node group joins the members at one position of every node (``[0, 2], [1, 3]``): the second
   hop of qgZ's hierarchical reduce-scatter.
 
+Expert parameters of expert-parallel size > 1 are sharded over their expert-data-parallel groups instead; their
+node axis is made of *sub-nodes*, the members of such a group inside one node (:func:`expert_node_size`,
+:func:`build_expert_node_axis`): ``[0, 2] | [4, 6]`` for ep 2 and ``h = 4`` of world 8. Where a sub-node is one
+rank (``h`` divides ep) or the sub-nodes differ in size, the expert groups have no node axis.
+
 Without an mpu and with no sequence or tensor parallelism the ZeRO group is the world and the node groups
 are upstream's ``_create_zero_param_parallel_group`` groups (``h`` consecutive global ranks). As upstream,
 ``h`` is capped at the ZeRO group's size and must then divide it.

@@ -340,3 +340,32 @@ def test_expert_node_size():
     assert expert_node_size(((0, 2, 1, 3), ), nodes(4, 2)) is None  # a node's members not consecutive
     # the sub-nodes of the expert groups are the node tables of the expert groups
     assert node_tables(edp(8, 2), 2)[0] == ((0, 2), (4, 6), (1, 3), (5, 7))
+
+
+def test_expert_node_size_random_meshes():
+    """Seeded random worlds, expert-parallel sizes and node sizes against the definition by sets: the sub-nodes
+    are the non-empty intersections of an expert group with the nodes; regular when they all have one size and
+    each is a run of consecutive members of its group."""
+    from deepspeed.utils.node_axis import expert_node_size, node_tables
+    gen = torch.Generator().manual_seed(17)
+    seen = set()
+    for _ in range(60):
+        world = int(torch.randint(2, 25, (), generator=gen))
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        ep = divisors[int(torch.randint(len(divisors), (), generator=gen))]
+        h = divisors[int(torch.randint(len(divisors), (), generator=gen))]
+        groups = [list(range(j, world, ep)) for j in range(ep)]
+        nodes = [set(range(i, i + h)) for i in range(0, world, h)]
+        sizes, runs = set(), True
+        for group in groups:
+            for node in nodes:
+                members = [r for r in group if r in node]
+                if members:
+                    sizes.add(len(members))
+                    first = group.index(members[0])
+                    runs = runs and group[first:first + len(members)] == members
+        want = sizes.pop() if len(sizes) == 1 and runs else None
+        got = expert_node_size(tuple(map(tuple, groups)), node_tables((tuple(range(world)), ), h)[0])
+        assert got == want, (world, ep, h, got, want)
+        seen.add(want is None)
+    assert seen == {True, False}  # both regular and irregular meshes were drawn
