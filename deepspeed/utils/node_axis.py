@@ -10,6 +10,11 @@ runs of ``ep`` ranks:
 * a cross-node group joins the members at one position of every node (``[0, 2], [1, 3]``): the second
   hop of qgZ's hierarchical reduce-scatter.
 
+Expert parameters of expert-parallel size > 1 are sharded over their expert-data-parallel groups instead; their
+node axis is made of *sub-nodes*, the members of such a group inside one node (:func:`expert_node_size`,
+:func:`build_expert_node_axis`): ``[0, 2] | [4, 6]`` for ep 2 and ``h = 4`` of world 8. Where a sub-node is one
+rank (``h`` divides ep) or the sub-nodes differ in size, the expert groups have no node axis.
+
 Without an mpu and with no sequence or tensor parallelism the ZeRO group is the world and the node groups
 are upstream's ``_create_zero_param_parallel_group`` groups (``h`` consecutive global ranks). As upstream,
 ``h`` is capped at the ZeRO group's size and must then divide it.
@@ -89,27 +94,86 @@ def build_node_axis(h, cross=False):
     zero_table = dict(mesh.description.tables())[ZERO_KIND]
     zero_world = len(zero_table[0])
     size = check_node_size(h, zero_world)
-    rank = mesh.rank
     node, cross_table = node_tables(zero_table, size)
     axis = _AXIS
     if axis is None or axis.size != size or getattr(axis, "_mesh", None) is not mesh:
-        node_ranks = next(r for r in node if rank in r)
-        cross_ranks = next(r for r in cross_table if rank in r)
-        axis = NodeAxis(size=size,
-                        nodes=zero_world // size,
-                        node_rank=node_ranks.index(rank),
-                        cross_rank=cross_ranks.index(rank),
-                        node_ranks=node_ranks,
-                        cross_ranks=cross_ranks,
-                        node_group=_group(node),
-                        cross_group=None)
-        axis._mesh = mesh
-        axis._has_cross = False
-        _AXIS = axis
+        axis = _AXIS = _new_axis(node, cross_table, size, zero_world // size, mesh)
+    return _with_cross(axis, cross_table, cross)
+
+
+def _new_axis(node, cross_table, size, nodes, mesh):
+    """The :class:`NodeAxis` of ``mesh``'s rank on the tables ``node`` / ``cross_table`` (builds the node groups)."""
+    rank = mesh.rank
+    node_ranks = next(r for r in node if rank in r)
+    cross_ranks = next(r for r in cross_table if rank in r)
+    axis = NodeAxis(size=size,
+                    nodes=nodes,
+                    node_rank=node_ranks.index(rank),
+                    cross_rank=cross_ranks.index(rank),
+                    node_ranks=node_ranks,
+                    cross_ranks=cross_ranks,
+                    node_group=_group(node),
+                    cross_group=None)
+    axis._mesh = mesh
+    axis._has_cross = False
+    return axis
+
+
+def _with_cross(axis, cross_table, cross):
+    """``axis``, with its cross-node group built where ``cross`` asks for it (once)."""
     if cross and not axis._has_cross:
         axis.cross_group = _group(cross_table)
         axis._has_cross = True
     return axis
+
+
+def expert_node_size(expert_table, node_table):
+    """The node size of hpZ / qgZ for the expert-data-parallel groups ``expert_table`` on the node axis
+    ``node_table`` (both tables of global ranks, pure): each expert group's members inside one node form its
+    *sub-node*, and where every sub-node of every group holds the same number ``h_e`` of consecutive members
+    (runs of ``h_e`` in the group's order, so that :func:`node_tables` of the expert groups gives them), ``h_e``
+    is returned; ``None`` where they differ (the sub-nodes are irregular). ``h_e = 1`` means every member of an
+    expert group sits on a node of its own."""
+    node_of = {r: i for i, ranks in enumerate(node_table) for r in ranks}
+    size = None
+    for ranks in expert_table:
+        runs = []
+        for r in ranks:
+            if runs and node_of[runs[-1][-1]] == node_of[r]:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        if len({node_of[run[0]] for run in runs}) != len(runs):  # a node's members are not consecutive
+            return None
+        lengths = {len(run) for run in runs}
+        if len(lengths) != 1 or (size is not None and lengths != {size}):
+            return None
+        size = lengths.pop()
+    return size
+
+
+_EXPERT_AXES = {}
+
+
+def build_expert_node_axis(group_name, h, cross=False):
+    """This rank's :class:`NodeAxis` over the expert-data-parallel groups of expert group ``group_name``, for the
+    ZeRO groups' node size ``h``: nodes are the sub-nodes of :func:`expert_node_size`. None where that size is 1
+    (every member on another node) or irregular: then the expert units have no node axis (hpZ: the backward gather
+    runs over the expert-data-parallel group, as the forward's; qgZ: one hop over it). A collective where it builds
+    groups (every rank, same arguments, same order of group names)."""
+    mesh = current_mesh()
+    tables = dict(mesh.description.tables())
+    zero_table = tables[ZERO_KIND]
+    expert_table = tables[f"expert_data_parallel:{group_name}"]
+    size = check_node_size(h, len(zero_table[0]))
+    sub = expert_node_size(expert_table, node_tables(zero_table, size)[0])
+    if sub is None or sub == 1:
+        return None
+    node, cross_table = node_tables(expert_table, sub)
+    axis = _EXPERT_AXES.get((group_name, sub))
+    if axis is None or getattr(axis, "_mesh", None) is not mesh:
+        axis = _EXPERT_AXES[(group_name, sub)] = _new_axis(node, cross_table, sub, len(expert_table[0]) // sub, mesh)
+    return _with_cross(axis, cross_table, cross)
 
 
 def current_node_axis():
@@ -120,6 +184,7 @@ def current_node_axis():
 def forget_node_axis():
     global _AXIS
     _AXIS = None
+    _EXPERT_AXES.clear()
 
 
 # ------------------------------------------------------------------ upstream's accessor names

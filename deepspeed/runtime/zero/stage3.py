@@ -21,8 +21,9 @@ factor, so the optimizer-visible gradient stays the mean over the global batch. 
 still cover every parameter of the model once, so the norm and the non-finite verdict, summed over the
 data-parallel group, count every expert once. ``offload_optimizer`` takes them unchanged: an expert unit's
 segments of the host partitions (sized by its group, like its gradient and 16-bit shards) are stepped like any
-other (the whole step or the unit step), and its uploaded 16-bit shard is what its group gathers. Parameter
-offload, ZenFlow and ZeRO++ refuse them by name (``check_expert_support``).
+other (the whole step or the unit step), and its uploaded 16-bit shard is what its group gathers. ZeRO++ takes
+them over their group (``_zeropp``: the same wire and quantized transport, hpZ on the group's sub-nodes of the node
+axis). Parameter offload and ZenFlow refuse them by name (``check_expert_support``).
 
 The step side. Each optimizer param group's partition on a rank is the concatenation, in
 unit order, of that group's parameter shards (``UnitPartitionLayout``); the 16-bit shards
@@ -66,7 +67,8 @@ from deepspeed.runtime.zero.offload.transfers import DONE, pinned
 from deepspeed.runtime.zero.offload.unit_step import UnitStep
 from deepspeed.runtime.zero.gradients.quantized_reduce import QuantizedReduceScatter, qgz_node_size
 from deepspeed.runtime.zero.units.unit_fetch import UnitFetchPlan
-from deepspeed.utils.node_axis import build_node_axis
+from deepspeed.runtime.zero.gradients.transport import GroupTransports
+from deepspeed.utils.node_axis import build_expert_node_axis, build_node_axis
 from deepspeed.utils.groups import EXPERT_GROUP_PREFIX
 from deepspeed.utils.timer import OPTIMIZER_STEP_TIMER
 
@@ -148,7 +150,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         self.frozen_store = None
         if config.zeropp.quantized_nontrainable_weights:
             self.frozen_store = self._quantize_frozen(units, all_params, group_of)
-        grad_transport, fetch = self._zeropp(config.zeropp, group, world)
+        grad_transport, fetch, expert_fetch = self._zeropp(config.zeropp, group, world)
         geometry = UnitGeometry(units,
                                 layout,
                                 use_reduce_scatter=config.use_reduce_scatter,
@@ -210,6 +212,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
                                            group,
                                            device,
                                            fetch=fetch,
+                                           expert_fetch=expert_fetch,
                                            read_ahead=self._read_ahead if config.param_swap is not None else None)
         # The pipelined host step overlaps the next forward (``unit_step.py``); whatever else reads or writes
         # what it touches completes it first: the next backward's folds into the gradient partitions (their
@@ -246,9 +249,14 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             self.param_tier.swap_out()
 
     def _zeropp(self, zeropp, group, world):
-        """ZeRO++ (``zeropp.py``): ``(gradient transport, unit fetch plan)``. The node axis (a mesh axis, built by
-        ``deepspeed.utils.node_axis``) serves hpZ's secondary shards (``unit_fetch.py``) and qgZ's two hops
-        (``quantized_reduce.py``); with neither, the default transport and a plain fetch."""
+        """ZeRO++ (``zeropp.py``): ``(gradient transport, unit fetch plan, expert fetch plans)``. The node axis (a
+        mesh axis, built by ``deepspeed.utils.node_axis``) serves hpZ's secondary shards (``unit_fetch.py``) and
+        qgZ's two hops (``quantized_reduce.py``); with neither, the default transport and a plain fetch.
+
+        Expert units (of expert-parallel size > 1) take the same wire and transport over their expert-data-parallel
+        group, and as node axis that group's sub-nodes (its members inside one node of the ZeRO group's axis,
+        ``build_expert_node_axis``); where a sub-node is one rank or the sub-nodes are irregular they have none: hpZ
+        then gathers them over their group in the backward too, and qgZ reduces them in one hop."""
         nodes = zeropp.hpz_partition_size
         if zeropp.quantized_weights or zeropp.quantized_gradients or zeropp.quantized_nontrainable_weights:
             from deepspeed.ops import block_quant_native
@@ -256,13 +264,34 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         if zeropp.quantized_gradients and nodes == 1 and group is None:
             nodes = qgz_node_size(world)  # hpZ off: qgZ's first hop stays inside a host
         node_axis = build_node_axis(nodes, cross=zeropp.quantized_gradients) if nodes > 1 and world > 1 else None
-        grad_transport = QuantizedReduceScatter(world, node_axis) if zeropp.quantized_gradients else None
+        specs = {spec.name: spec for spec in self._expert_specs.values() if spec.world_size > 1}
+        expert_axes = {
+            name: build_expert_node_axis(name, node_axis.size, cross=zeropp.quantized_gradients)
+            for name in sorted(specs)
+        } if node_axis is not None else {}
+        grad_transport = None
+        if zeropp.quantized_gradients:
+            grad_transport = QuantizedReduceScatter(world, node_axis)
+            if specs:
+                grad_transport = GroupTransports(
+                    grad_transport, [(spec.group, QuantizedReduceScatter(spec.world_size, expert_axes.get(name)))
+                                     for name, spec in sorted(specs.items())])
+        hpz = zeropp.hpz_partition_size > 1
         fetch = UnitFetchPlan(group,
                               world,
                               quantized_weights=zeropp.quantized_weights,
-                              node_axis=node_axis if zeropp.hpz_partition_size > 1 else None,
+                              node_axis=node_axis if hpz else None,
                               frozen=self.frozen_store)
-        return grad_transport, fetch
+        expert_fetch = {
+            name:
+            UnitFetchPlan(spec.group,
+                          spec.world_size,
+                          quantized_weights=zeropp.quantized_weights,
+                          node_axis=expert_axes.get(name) if hpz else None,
+                          frozen=self.frozen_store)
+            for name, spec in specs.items()
+        }
+        return grad_transport, fetch, expert_fetch
 
     def _quantize_frozen(self, units, all_params, group_of):
         """The :class:`FrozenQuantStore` of the frozen shards; the 16-bit frozen partition is freed."""
@@ -615,7 +644,7 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
 
     def set_fp32_param(self, param, value):
         self._masters_current()
-        self.coordinator.fetch.invalidate()  # hpZ's secondary shards hold the old values
+        self.coordinator.invalidate_secondary()  # hpZ's secondary shards hold the old values
         with torch.no_grad():
             g = self._group(param)
             if g < len(self.masters):
@@ -623,14 +652,15 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             write_shard_from_full(param, value)
             if param.ds_status == ZeroParamStatus.AVAILABLE:
                 if hasattr(param, "ds_quant_store"):  # what a gather of the new codes gives
-                    value = param.ds_quant_store.round_trip_full(param, value.to(param.data.device), self.world_size)
+                    world = getattr(param, "ds_partition_world", None) or self.world_size  # an expert's group
+                    value = param.ds_quant_store.round_trip_full(param, value.to(param.data.device), world)
                 param.data.copy_(value)
         if self.zenflow is not None:
             self.zenflow.masters_changed()
 
     def params_modified(self, param):
         """``param.ds_tensor`` was rewritten (GatheredParameters with a modifier): refresh its master."""
-        self.coordinator.fetch.invalidate()  # hpZ's secondary shards hold the old values
+        self.coordinator.invalidate_secondary()  # hpZ's secondary shards hold the old values
         g = self._group(param)
         if g < len(self.masters):
             self._masters_current()
@@ -657,15 +687,11 @@ def check_expert_support(config, group_names):
     stage-3 feature that does not take them; ``config`` a StageConfig (AutoEP checks before any collective).
 
     ``offload_optimizer`` is not among them: the host step works on the layout's unit segments, whatever group a
-    unit is sharded over (docs/moe.md). The keys below have not been made to take a second sharding group."""
-    zeropp = config.zeropp
+    unit is sharded over (docs/moe.md); nor is ZeRO++, whose wire, transports and node axis an expert unit takes over
+    its own group (``Stage3._zeropp``). The keys below have not been made to take a second sharding group."""
     unsupported = [
         ("offload_param", config.offload_param),
         ("zenflow", config.zenflow is not None),
-        ("zero_quantized_weights", zeropp.quantized_weights),
-        ("zero_quantized_gradients", zeropp.quantized_gradients),
-        ("zero_hpz_partition_size", zeropp.hpz_partition_size > 1),
-        ("zero_quantized_nontrainable_weights", zeropp.quantized_nontrainable_weights),
     ]
     keys = [key for key, on in unsupported if on]
     if keys:

@@ -21,6 +21,10 @@ against ``4 * C * W`` for an fp32 reduce-scatter. With no node axis, or one node
 single all-to-all over the ZeRO group does it. Unlike upstream, which quantizes only across several nodes,
 the gradients are quantized whenever the key is set: what the config asks for is what runs.
 
+Expert units of expert-parallel size > 1 are reduced over their expert-data-parallel group by an instance of
+their own (its size, and its sub-nodes of the node axis: ``node_axis.build_expert_node_axis``), chosen by group
+(``transport.GroupTransports``).
+
 The sums over senders run in rank order in float32 on every rank, so the result is deterministic. The
 collectives are recorded by the comms logger as ``all_to_all_single:qgZ`` (one hop),
 ``all_to_all_single:qgZ:node`` and ``all_to_all_single:qgZ:cross_node``.

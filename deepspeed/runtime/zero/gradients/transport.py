@@ -66,6 +66,28 @@ class CommTransport(Transport):
 DEFAULT_TRANSPORT = CommTransport()
 
 
+class GroupTransports(Transport):
+    """Each group's collectives through a transport of its own: ``routes`` is ``[(group, transport)]``, a group
+    matched by identity; every other group goes through ``default``. (ZeRO-3 with qgZ: the dense group's and
+    each expert-data-parallel group's quantized reduce-scatter, each with its own size and node axis.)"""
+
+    def __init__(self, default, routes):
+        self.default = default
+        self.routes = list(routes)
+
+    def of(self, group):
+        return next((t for g, t in self.routes if g is group), self.default)
+
+    def all_reduce(self, tensor, group):
+        return self.of(group).all_reduce(tensor, group)
+
+    def reduce_scatter(self, output, input, group):
+        return self.of(group).reduce_scatter(output, input, group)
+
+    def all_gather(self, output, input, group):
+        return self.of(group).all_gather(output, input, group)
+
+
 def wait(work):
     """Complete ``work`` (a handle a transport returned, or None)."""
     if work is not None:

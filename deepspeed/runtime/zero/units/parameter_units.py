@@ -112,7 +112,16 @@ class UnitCoordinator:
     :class:`~deepspeed.runtime.zero.offload.transfers.Transfer`) completed.
     """
 
-    def __init__(self, module, units, send_chunk_fn, pipeline, group, device, fetch=None, read_ahead=None):
+    def __init__(self,
+                 module,
+                 units,
+                 send_chunk_fn,
+                 pipeline,
+                 group,
+                 device,
+                 fetch=None,
+                 expert_fetch=None,
+                 read_ahead=None):
         self.module = module
         self._read_ahead = read_ahead  # called with the next units along the trace (NVMe reads start early)
         self.units = units
@@ -123,8 +132,9 @@ class UnitCoordinator:
         self.world_size = next((u.world_size for u in units if u.spec is None), 1)  # the stage's group's
         # the wire and the group of each gather, per phase (ZeRO++: qwZ, hpZ's secondary shard)
         self.fetch = fetch if fetch is not None else UnitFetchPlan(group, self.world_size)
-        # expert units gather over their expert-data-parallel group, rows as they are (ZeRO++ is refused with them)
-        self._expert_fetch = {}
+        # expert units gather over their expert-data-parallel group: ``expert_fetch`` (group name -> plan, ZeRO++'s
+        # wire and node axis over that group), rows as they are where it names none
+        self._expert_fetch = dict(expert_fetch or {})
         for unit in units:
             if unit.spec is not None and unit.spec.name not in self._expert_fetch:
                 self._expert_fetch[unit.spec.name] = UnitFetchPlan(unit.spec.group, unit.world_size)
@@ -409,7 +419,7 @@ class UnitCoordinator:
     def release_all(self):
         """Drop every gathered copy, persistent ones too (their shards changed: the step updated them), and every
         hpZ secondary shard."""
-        self.fetch.invalidate()
+        self.invalidate_secondary()
         for unit in self.units:
             unit.fwd_refs = 0
             unit.bwd_hold = False
@@ -417,6 +427,12 @@ class UnitCoordinator:
                 self._finish_gather(unit)
             if unit.state is UnitState.GATHERED:
                 self._release(unit)
+
+    def invalidate_secondary(self):
+        """The 16-bit shards may have changed: drop every hpZ secondary shard (dense and expert units')."""
+        self.fetch.invalidate()
+        for plan in self._expert_fetch.values():
+            plan.invalidate()
 
     def release_unused(self, persistent=False):
         """Release every unit nothing holds (no forward reference, no backward hold; persistent ones too with

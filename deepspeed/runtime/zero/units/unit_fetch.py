@@ -18,6 +18,10 @@ ZeRO group in rank order. :class:`UnitFetchPlan` decides, per gather:
   frozen parameters sends their stored int8 codes and scales as they are, ahead of its trainable columns (in
   the wire format above); the frozen columns are dequantized after the collective. The wire row is then bytes.
 
+Expert units of expert-parallel size > 1 are fetched by a plan of their own per expert group
+(``Stage3._zeropp``): ``group`` their expert-data-parallel group, ``world_size`` its size, the same wire, and as
+node axis the group's sub-nodes (``node_axis.build_expert_node_axis``), or none where a sub-node is one rank.
+
 The secondary shards are dropped whenever the 16-bit shards may have changed (:meth:`invalidate`: the
 step, a checkpoint load, ``set_fp32_param``, a modifying ``GatheredParameters``); a backward gather without
 one uses the primary partition (and keeps a secondary shard for the next).
