@@ -21,8 +21,9 @@ factor, so the optimizer-visible gradient stays the mean over the global batch. 
 still cover every parameter of the model once, so the norm and the non-finite verdict, summed over the
 data-parallel group, count every expert once. ``offload_optimizer`` takes them unchanged: an expert unit's
 segments of the host partitions (sized by its group, like its gradient and 16-bit shards) are stepped like any
-other (the whole step or the unit step), and its uploaded 16-bit shard is what its group gathers. Parameter
-offload, ZenFlow and ZeRO++ refuse them by name (``check_expert_support``).
+other (the whole step or the unit step), and its uploaded 16-bit shard is what its group gathers. ZenFlow takes
+them too: it selects an expert's columns over the group the expert is sharded over (``runtime/zenflow``).
+Parameter offload and ZeRO++ refuse them by name (``check_expert_support``).
 
 The step side. Each optimizer param group's partition on a rank is the concatenation, in
 unit order, of that group's parameter shards (``UnitPartitionLayout``); the 16-bit shards
@@ -661,7 +662,6 @@ def check_expert_support(config, group_names):
     zeropp = config.zeropp
     unsupported = [
         ("offload_param", config.offload_param),
-        ("zenflow", config.zenflow is not None),
         ("zero_quantized_weights", zeropp.quantized_weights),
         ("zero_quantized_gradients", zeropp.quantized_gradients),
         ("zero_hpz_partition_size", zeropp.hpz_partition_size > 1),
