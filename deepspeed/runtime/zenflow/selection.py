@@ -121,8 +121,8 @@ class ColumnSelection:
 
     ``weights``: ``[(param, shape)]`` for every trainable parameter, the same list on every rank; ``pieces``: this
     rank's :class:`Piece` objects; ``device``: where column norms are reduced; ``group``: the process group.
-    ``group_of(param)`` (optional): the group a parameter is partitioned over (its column norms are summed
-    there; None: ``group``); ``blocks_of(param)`` (optional): the experts of a fused expert weight (1: none).
+    ``group_of(param)`` (optional): ``(group, size)``, the group a parameter is partitioned over and its size (its
+    column norms are summed there; without it: ``group``); ``blocks_of(param)`` (optional): the experts of a fused expert weight (1: none).
     Until :meth:`select` is called only the non-selectable parameters are selected.
     """
 
@@ -132,7 +132,7 @@ class ColumnSelection:
         self.group = group
         self.num_groups = num_groups
         self.weights: List[_Weight] = []
-        self.groups = []  # the groups column norms are summed over, in order of first appearance
+        self.groups = []  # (group, size): where column norms are summed, in order of first appearance
         weight_of = {}  # param -> index of its first weight (a fused expert weight's blocks follow it)
         total = 0
         for param, shape in weights:
@@ -142,7 +142,7 @@ class ColumnSelection:
             blocks = int(blocks_of(param)) if blocks_of is not None and len(shape) >= 3 else 1
             rows = int(shape[1]) if blocks > 1 else int(shape[0])
             cols = numel // (blocks * rows)
-            reduce = self._group_index(group_of(param) if group_of is not None else group)
+            reduce = self._group_index(group_of(param) if group_of is not None else (group, _size(group)))
             weight_of[param] = len(self.weights)
             for block in range(blocks):
                 self.weights.append(
@@ -171,11 +171,12 @@ class ColumnSelection:
         self.cols = {}  # weight index -> selected columns (sorted), once selected
         self._build_ops()
 
-    def _group_index(self, group):
-        for i, known in enumerate(self.groups):
-            if known is group:
+    def _group_index(self, key):
+        group, size = key
+        for i, (known, known_size) in enumerate(self.groups):
+            if known is group and known_size == size:  # one rank's group may be None, like the default group
                 return i
-        self.groups.append(group)
+        self.groups.append((group, int(size)))
         return len(self.groups) - 1
 
     def reduce_by_group(self, vector, entries_of, dtype=torch.float32):
@@ -183,8 +184,8 @@ class ColumnSelection:
         of more than one rank, in the same order on every rank); returns the host result."""
         if not dist.is_initialized():
             return vector
-        for i, group in enumerate(self.groups or [self.group]):
-            if dist.get_world_size(group) <= 1:
+        for i, (group, size) in enumerate(self.groups or [(self.group, _size(self.group))]):
+            if size <= 1:
                 continue
             entries = entries_of(i)
             if entries is None:
@@ -408,6 +409,10 @@ def _block_pieces(piece, weight):
                           piece.target_offset + shift), block))
         lo = end
     return out
+
+
+def _size(group):
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def _numel(shape):

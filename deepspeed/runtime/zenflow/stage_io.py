@@ -19,7 +19,7 @@ Both give: ``weights()`` (every trainable parameter with its shape, the same lis
 (the host step's 16-bit values into this rank's part of the model), ``publish()``, ``full_step()``
 (a plain offloaded step of everything, for warm-up rounds) and the rank's 16-bit values for a
 checkpoint (``own16`` / ``load_own16``); ``group_of(param)``, the group a parameter is partitioned
-over (an expert's expert-data-parallel group, its ``ReductionSpec``), and ``blocks_of(param)``, the
+over and its size (an expert's expert-data-parallel group, its ``ReductionSpec``), and ``blocks_of(param)``, the
 experts of a fused expert weight (AutoEP's ``(E, rows, cols)`` weights; 1 for any other parameter).
 """
 
@@ -81,7 +81,8 @@ class PartitionedIO:
         return partitioned_pieces(self.layout)
 
     def group_of(self, param):
-        return self.stage._bucket_group(self.layout.buckets[self.layout.slots[param].bucket])
+        bucket = self.layout.buckets[self.layout.slots[param].bucket]
+        return self.stage._bucket_group(bucket), bucket.world
 
     def blocks_of(self, param):
         return fused_experts(param, tuple(param.shape))
@@ -160,7 +161,7 @@ class UnitIO:
 
     def group_of(self, param):
         spec = self.stage._expert_specs.get(param)
-        return self.stage.group if spec is None else spec.group
+        return (self.stage.group, self.stage.world_size) if spec is None else (spec.group, spec.world_size)
 
     def blocks_of(self, param):
         return fused_experts(param, tuple(param.ds_shape))

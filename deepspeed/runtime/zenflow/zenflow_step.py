@@ -298,7 +298,7 @@ class ZenFlowStep:
         if len(groups) > 1 and dist.is_initialized() and dist.get_world_size(self.stage.group) > 1:
             reduced = counts.to(torch.float32).to(self.stage.device)
             dist.all_reduce(reduced, group=self.stage.group)
-            sizes = torch.tensor([float(dist.get_world_size(g)) for g in groups for _ in range(2)], dtype=torch.float64)
+            sizes = torch.tensor([float(size) for _, size in groups for _ in range(2)], dtype=torch.float64)
             counts = torch.round(reduced.double().cpu() / sizes)
         return float(counts[0::2].sum()), float(counts[1::2].sum())
 

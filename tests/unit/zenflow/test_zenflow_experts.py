@@ -9,7 +9,7 @@ index) and the fp32 masters with ``tests/unit/zenflow/reference.py`` stepped on 
 batch of a plain-torch model holding every expert:
 
 * the ``deepspeed.moe`` layer of ``test_moe_contract`` (tests/unit/moe/reference.py's token-by-token routing) at
-  ep 2 on world 4 (expert-data-parallel groups of two ranks), ZeRO 2 (the window on the device; with
+  ep 2 on worlds 2 and 4 (expert-data-parallel groups of one and two ranks), ZeRO 2 (the window on the device; with
   ``zenflow.offload``: on the host; the "auto" window) and ZeRO 3 (the host window, ``overlap_step``);
 * AutoEP on a tiny Mixtral (fused ``(E, 2F, H)`` expert weights, each expert selected on its own) at ep 2 on
   world 2, ZeRO 3 and ZeRO 1, against the unsharded Hugging Face model (its fused weights split per expert in
@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 
+import pytest
 import torch
 
 from tests.unit.common import run_distributed
@@ -132,7 +133,7 @@ def _moe_cell(stage, zenflow):
     ref = _reference(ref_named, zenflow)
     zf = engine._stage.zenflow
     assert zf is not None and zf.on_device == (stage < 3 and not zenflow.get("offload", False))
-    assert len(zf.selection.groups) == 2  # dense and the expert-data-parallel group
+    assert len(zf.selection.groups) == 2, zf.selection.groups  # dense and the expert-data-parallel group
     bad, selections = [], 0
     try:
         for step, xs in enumerate(_moe_data(world)):
@@ -156,10 +157,12 @@ def _moe_cells(cells):
     return [(cell, bad) for cell in cells for bad in [_moe_cell(*cell)] if bad]
 
 
-def test_moe_layer_zero2_zero3_world4():
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_layer_zero2_zero3(world):
+    """Expert-data-parallel groups of one rank (world 2: nothing to sum over) and of two (world 4)."""
     cells = [(2, ZENFLOW), (2, dict(ZENFLOW, offload=True, update_interval="auto", auto_ratio=0.5)),
              (3, dict(ZENFLOW, overlap_step=True))]
-    assert run_distributed(_moe_cells, 4, args=(cells, ), timeout=T) == [[]] * 4
+    assert run_distributed(_moe_cells, world, args=(cells, ), timeout=T) == [[]] * world
 
 
 # ------------------------------------------------------------------------------------------------ AutoEP
