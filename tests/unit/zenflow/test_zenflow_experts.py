@@ -236,17 +236,20 @@ def test_autoep_mixtral_world2():
 
 # ------------------------------------------------------------------------------------------- checkpoints
 def _resume(stage, directory):
-    """Train 5 steps saving after step 3 (inside a window, an overlapped host step pending), then load into a
-    fresh engine and take the last two steps again: the losses and values equal the continued run's."""
+    """Train 6 steps saving after 3 (inside a window, an overlapped host step pending), then load into a fresh
+    engine and take the last three steps again: the losses and values (model and fp32 masters) equal the continued
+    run's, bitwise."""
     from deepspeed.utils import groups
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    zenflow = dict(ZENFLOW, update_interval=3, overlap_step=True)
+    zenflow = dict(ZENFLOW, select_interval=8, overlap_step=True)
     data = _moe_data(world)
     engine, named = _moe_engine(stage, zenflow)
     continued = []
     try:
-        for step in range(5):
+        for step in range(6):
             if step == 3:
+                zf = engine._stage.zenflow
+                assert zf.window.count == 1 and zf.pending_apply, "the cut is not in the middle of a window"
                 engine.save_checkpoint(directory, tag="mid")
             loss = engine(data[step][rank])
             if step >= 3:
@@ -261,7 +264,7 @@ def _resume(stage, directory):
     resumed = []
     try:
         engine.load_checkpoint(directory, tag="mid")
-        for step in range(3, 5):
+        for step in range(3, 6):
             loss = engine(data[step][rank])
             resumed.append(float(loss))
             engine.backward(loss)
