@@ -122,8 +122,8 @@ class ColumnSelection:
     ``weights``: ``[(param, shape)]`` for every trainable parameter, the same list on every rank; ``pieces``: this
     rank's :class:`Piece` objects; ``device``: where column norms are reduced; ``group``: the process group.
     ``group_of(param)`` (optional): ``(group, size)``, the group a parameter is partitioned over and its size (its
-    column norms are summed there; without it: ``group``); ``blocks_of(param)`` (optional): the experts of a fused expert weight (1: none).
-    Until :meth:`select` is called only the non-selectable parameters are selected.
+    column norms are summed there; without it: ``group``); ``blocks_of(param)`` (optional): the experts of a fused
+    expert weight (1: none). Until :meth:`select` is called only the non-selectable parameters are selected.
     """
 
     def __init__(self, weights, pieces, num_groups, topk_ratio, device, group=None, group_of=None, blocks_of=None):
@@ -405,8 +405,8 @@ def _block_pieces(piece, weight):
         block = lo // size
         end = min(hi, (block + 1) * size)
         shift = lo - piece.start
-        out.append((Piece(piece.param, piece.shape, piece.group, lo - block * size, end - lo, piece.part_offset + shift,
-                          piece.target_offset + shift), block))
+        out.append((Piece(piece.param, piece.shape, piece.group, lo - block * size, end - lo,
+                          piece.part_offset + shift, piece.target_offset + shift), block))
         lo = end
     return out
 

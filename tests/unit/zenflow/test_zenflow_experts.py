@@ -58,7 +58,10 @@ def _config(stage, zenflow, micro=1):
 
 def _reference(named, zenflow):
     from tests.unit.zenflow.reference import ZenFlowReference
-    return ZenFlowReference({n: p.detach() for n, p in named.items()},
+    return ZenFlowReference({
+        n: p.detach()
+        for n, p in named.items()
+    },
                             lr=LR,
                             eps=EPS,
                             weight_decay=0.01,
@@ -209,8 +212,10 @@ def _autoep_cell(stage):
     bad = []
     try:
         for step, ids in enumerate(batches):
-            fused = {n: torch.stack([ref.Q[f"{n}#{e}"] for e in range(p.shape[0])]) if _is_routed_expert(n) else
-                     ref.Q[n] for n, p in ref_params.items()}
+            fused = {
+                n: torch.stack([ref.Q[f"{n}#{e}"] for e in range(p.shape[0])]) if _is_routed_expert(n) else ref.Q[n]
+                for n, p in ref_params.items()
+            }
             grads = _split_experts(_mean_grads(ref_params, fused, [lambda i=i: ref_loss(i) for i in ids]))
             engine.backward(engine(input_ids=ids[rank], labels=ids[rank]).loss)
             engine.step()
