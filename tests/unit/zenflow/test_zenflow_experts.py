@@ -9,8 +9,9 @@ index) and the fp32 masters with ``tests/unit/zenflow/reference.py`` stepped on 
 batch of a plain-torch model holding every expert:
 
 * the ``deepspeed.moe`` layer of ``test_moe_contract`` (tests/unit/moe/reference.py's token-by-token routing) at
-  ep 2 on worlds 2 and 4 (expert-data-parallel groups of one and two ranks), ZeRO 2 (the window on the device; with
-  ``zenflow.offload``: on the host; the "auto" window) and ZeRO 3 (the host window, ``overlap_step``);
+  ep 2 on worlds 2 and 4 (expert-data-parallel groups of one and two ranks), ZeRO 2 (the window on the device,
+  after a warm-up round; with ``zenflow.offload``: on the host, the "auto" window) and ZeRO 3 (the host window,
+  ``overlap_step``, ``zenflow.offload``);
 * AutoEP on a tiny Mixtral (fused ``(E, 2F, H)`` expert weights, each expert selected on its own) at ep 2 on
   world 2, ZeRO 3 and ZeRO 1, against the unsharded Hugging Face model (its fused weights split per expert in
   the reference);
@@ -70,6 +71,7 @@ def _reference(named, zenflow):
                             update_every=None if zenflow["update_interval"] == "auto" else zenflow["update_interval"],
                             auto_ratio=zenflow.get("auto_ratio", 0.99),
                             select_every=zenflow["select_interval"],
+                            warm_up=zenflow.get("full_warm_up_rounds", 0),
                             overlap=zenflow.get("overlap_step", False))
 
 
@@ -152,7 +154,7 @@ def _moe_cell(stage, zenflow):
     finally:
         engine.destroy()
         groups.reset_mesh()
-    assert selections == 2
+    assert selections >= 2
     return bad[:4]
 
 
@@ -163,8 +165,9 @@ def _moe_cells(cells):
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_layer_zero2_zero3(world):
     """Expert-data-parallel groups of one rank (world 2: nothing to sum over) and of two (world 4)."""
-    cells = [(2, ZENFLOW), (2, dict(ZENFLOW, offload=True, update_interval="auto", auto_ratio=0.5)),
-             (3, dict(ZENFLOW, overlap_step=True))]
+    cells = [(2, dict(ZENFLOW, full_warm_up_rounds=1)),
+             (2, dict(ZENFLOW, offload=True, update_interval="auto", auto_ratio=0.5)),
+             (3, dict(ZENFLOW, overlap_step=True, offload=True))]
     assert run_distributed(_moe_cells, world, args=(cells, ), timeout=T) == [[]] * world
 
 
