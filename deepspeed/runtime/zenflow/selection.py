@@ -77,7 +77,8 @@ class _Weight:
     norm_offset: int  # where its columns start in the column-norm vector
     k: int  # columns selected
     block: int = 0  # the expert of a fused expert weight (its elements start at block * rows * cols)
-    blocks: int = 1  # experts in the fused weight (1: a plain weight)
+    blocks: int = 1  # experts in the fused weight
+    fused: bool = False  # one expert's block of a fused expert weight
     reduce: int = 0  # index of the group its column norms are summed over (``ColumnSelection.groups``)
 
 
@@ -123,7 +124,7 @@ class ColumnSelection:
     rank's :class:`Piece` objects; ``device``: where column norms are reduced; ``group``: the process group.
     ``group_of(param)`` (optional): ``(group, size)``, the group a parameter is partitioned over and its size (its
     column norms are summed there; without it: ``group``); ``blocks_of(param)`` (optional): the experts of a fused
-    expert weight (1: none). Until :meth:`select` is called only the non-selectable parameters are selected.
+    expert weight (None: not one). Until :meth:`select` is called only the non-selectable parameters are selected.
     """
 
     def __init__(self, weights, pieces, num_groups, topk_ratio, device, group=None, group_of=None, blocks_of=None):
@@ -139,14 +140,23 @@ class ColumnSelection:
             numel = _numel(shape)
             if len(shape) < 2 or numel == 0:
                 continue
-            blocks = int(blocks_of(param)) if blocks_of is not None and len(shape) >= 3 else 1
-            rows = int(shape[1]) if blocks > 1 else int(shape[0])
+            fused = blocks_of(param) if blocks_of is not None and len(shape) >= 3 else None
+            blocks = 1 if fused is None else int(fused)  # a fused weight of one expert is one weight of shape[1] rows
+            rows = int(shape[0]) if fused is None else int(shape[1])
             cols = numel // (blocks * rows)
             reduce = self._group_index(group_of(param) if group_of is not None else (group, _size(group)))
             weight_of[param] = len(self.weights)
             for block in range(blocks):
                 self.weights.append(
-                    _Weight(param, rows, cols, total, columns_selected(cols, self.topk_ratio), block, blocks, reduce))
+                    _Weight(param,
+                            rows,
+                            cols,
+                            total,
+                            columns_selected(cols, self.topk_ratio),
+                            block=block,
+                            blocks=blocks,
+                            fused=fused is not None,
+                            reduce=reduce))
                 total += cols
         self.cols_total = total
         # entries of the column-norm vector per group (None: all of them, the group is the only one)
@@ -160,7 +170,7 @@ class ColumnSelection:
             if piece.length <= 0:
                 continue
             first = weight_of.get(piece.param)
-            if first is None or self.weights[first].blocks == 1:
+            if first is None or self.weights[first].blocks == 1:  # a fused weight of one expert: offsets as they are
                 self.pieces.append(piece)
                 piece_weights.append(first)
                 continue
@@ -261,7 +271,7 @@ class ColumnSelection:
         out = {}
         for index, cols in sorted(self.cols.items()):
             weight = self.weights[index]
-            if weight.blocks == 1:
+            if not weight.fused:
                 out[weight.param] = cols
             else:
                 out.setdefault(weight.param, []).append(cols)

@@ -20,7 +20,7 @@ Both give: ``weights()`` (every trainable parameter with its shape, the same lis
 (a plain offloaded step of everything, for warm-up rounds) and the rank's 16-bit values for a
 checkpoint (``own16`` / ``load_own16``); ``group_of(param)``, the group a parameter is partitioned
 over and its size (an expert's expert-data-parallel group, its ``ReductionSpec``), and ``blocks_of(param)``, the
-experts of a fused expert weight (AutoEP's ``(E, rows, cols)`` weights; 1 for any other parameter).
+experts of a fused expert weight (AutoEP's ``(E, rows, cols)`` weights; None for any other parameter).
 """
 
 import torch
@@ -46,9 +46,9 @@ def partitioned_pieces(layout):
 
 def fused_experts(param, shape):
     """How many experts a fused expert weight of ``shape`` holds (its first dimension; an expert parameter, marked
-    ``allreduce=False``, of three or more dimensions), 1 for any other parameter."""
+    ``allreduce=False``, of three or more dimensions), None for any other parameter."""
     if getattr(param, "allreduce", True) or len(shape) < 3:
-        return 1
+        return None
     return int(shape[0])
 
 
