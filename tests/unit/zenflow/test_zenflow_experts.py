@@ -13,8 +13,8 @@ batch of a plain-torch model holding every expert:
   after a warm-up round; with ``zenflow.offload``: on the host, the "auto" window) and ZeRO 3 (the host window,
   ``overlap_step``, ``zenflow.offload``);
 * AutoEP on a tiny Mixtral (fused ``(E, 2F, H)`` expert weights, each expert selected on its own) at ep 2 on
-  world 2, ZeRO 3 and ZeRO 1, against the unsharded Hugging Face model (its fused weights split per expert in
-  the reference);
+  world 2, ZeRO 3 (two experts per rank) and ZeRO 1 (one), against the unsharded Hugging Face model (its fused
+  weights split per expert in the reference);
 * a checkpoint saved in the middle of a window and loaded into a fresh engine at the same ep continues exactly.
 """
 
@@ -187,12 +187,12 @@ def _split_experts(named):
     return out
 
 
-def _autoep_cell(stage):
+def _autoep_cell(stage, n_experts):
     import deepspeed
     from deepspeed.utils import groups
     from tests.unit.moe.autoep_models import VOCAB, mixtral
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    model, reference = mixtral(), mixtral()
+    model, reference = mixtral(experts=n_experts), mixtral(experts=n_experts)
     config = _config(stage, ZENFLOW)
     config["expert_parallel"] = {"enabled": True, "autoep_size": 2}
     engine = deepspeed.initialize(model=model, config=config)[0]
@@ -234,12 +234,13 @@ def _autoep_cell(stage):
     return bad[:4]
 
 
-def _autoep_cells(stages):
-    return [(stage, bad) for stage in stages for bad in [_autoep_cell(stage)] if bad]
+def _autoep_cells(cells):
+    return [(cell, bad) for cell in cells for bad in [_autoep_cell(*cell)] if bad]
 
 
 def test_autoep_mixtral_world2():
-    assert run_distributed(_autoep_cells, 2, args=([3, 1], ), timeout=T) == [[]] * 2
+    # ZeRO 3 with two experts per rank, ZeRO 1 with one (a fused weight of one expert)
+    assert run_distributed(_autoep_cells, 2, args=([(3, 4), (1, 2)], ), timeout=T) == [[]] * 2
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
