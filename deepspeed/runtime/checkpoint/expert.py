@@ -366,6 +366,7 @@ def load_files(engine, directory, load_module_only, load_optimizer_states, resha
         return  # ZeRO-3 (expert-parallel size 1): the stage's own files hold every expert, sharded like the rest
     stage = engine._stage
     layers = _layers(engine.module)
+    module_values = []  # (the module's tensor, the value its file holds)
     for layer, prefix, experts in layers:
         for e, entries in _local_entries(prefix, experts):
             values = torch.load(os.path.join(directory, EXPERT_FILE.format(layer=layer, expert=e)),
@@ -374,6 +375,7 @@ def load_files(engine, directory, load_module_only, load_optimizer_states, resha
             for key, (param, row) in entries.items():
                 target = param.data[row] if row is not None else param.data
                 target.copy_(values[key].to(target.dtype))
+                module_values.append((target, values[key]))
     if stage is None:
         return
     path = os.path.join(directory, STATES_FILE.format(rank=_ep_rank(layers[0][2])))
@@ -390,3 +392,8 @@ def load_files(engine, directory, load_module_only, load_optimizer_states, resha
         if load_optimizer_states:
             for key, value in entry["state"].items():
                 stage.set_optimizer_state(param, key, value.to(param.device))
+    if exact:
+        # set_fp32_param wrote the masters into the module too; the model's values may differ from them (ZenFlow:
+        # a host step not applied yet), and the files hold the model's
+        for target, value in module_values:
+            target.copy_(value.to(target.dtype))

@@ -17,6 +17,15 @@ weight are chosen (ties broken by torch.topk, which sees identical data on every
 selection is the same on every rank, and the one a single rank would make from the same gradient
 (up to the rounding of the sum), whatever the world size and the partitioning.
 
+Expert parameters (``deepspeed.moe``, AutoEP) are partitioned over their expert-data-parallel group, and
+ranks of different expert-parallel ranks hold different experts under the same place in the list. Each
+weight's entries of the column-norm vector are therefore summed over the group that weight is
+partitioned over (``group_of``; one all-reduce per distinct group, in the order of first appearance,
+which is the same on every rank): every rank holding an expert sees the column norms of that expert's
+global-mean gradient, as a single rank holding every expert would. A fused expert weight of shape
+``(E, R, ...)`` (``blocks_of`` gives ``E``) is ``E`` weights of ``R`` rows each, one per expert, so
+that the selection does not depend on how many experts a rank holds.
+
 Layout. The elements a rank updates on the device, per param group, are packed into one flat
 *selected buffer*, piece by piece: a non-selectable piece whole; for a selectable piece, its block
 of whole rows (``n_rows x k`` elements, row-major), then each row it holds in part (the selected
@@ -60,12 +69,17 @@ class Piece:
 
 @dataclass(eq=False)
 class _Weight:
-    """One selectable parameter: the same list, in the same order, on every rank."""
+    """One selectable parameter (or one expert's block of a fused expert weight): the same list, in the same
+    order, on every rank."""
     param: torch.Tensor
     rows: int
     cols: int
     norm_offset: int  # where its columns start in the column-norm vector
     k: int  # columns selected
+    block: int = 0  # the expert of a fused expert weight (its elements start at block * rows * cols)
+    blocks: int = 1  # experts in the fused weight
+    fused: bool = False  # one expert's block of a fused expert weight
+    reduce: int = 0  # index of the group its column norms are summed over (``ColumnSelection.groups``)
 
 
 @dataclass(eq=False)
@@ -107,32 +121,92 @@ class ColumnSelection:
     """The columns ZenFlow updates on the device (see the module docstring).
 
     ``weights``: ``[(param, shape)]`` for every trainable parameter, the same list on every rank; ``pieces``: this
-    rank's :class:`Piece` objects; ``device``: where column norms are reduced; ``group``: the process group. Until
-    :meth:`select` is called only the non-selectable parameters are selected.
+    rank's :class:`Piece` objects; ``device``: where column norms are reduced; ``group``: the process group.
+    ``group_of(param)`` (optional): ``(group, size)``, the group a parameter is partitioned over and its size (its
+    column norms are summed there; without it: ``group``); ``blocks_of(param)`` (optional): the experts of a fused
+    expert weight (None: not one). Until :meth:`select` is called only the non-selectable parameters are selected.
     """
 
-    def __init__(self, weights, pieces, num_groups, topk_ratio, device, group=None):
+    def __init__(self, weights, pieces, num_groups, topk_ratio, device, group=None, group_of=None, blocks_of=None):
         self.topk_ratio = float(topk_ratio)
         self.device = torch.device(device)
         self.group = group
         self.num_groups = num_groups
         self.weights: List[_Weight] = []
-        weight_of = {}
+        self.groups = []  # (group, size): where column norms are summed, in order of first appearance
+        weight_of = {}  # param -> index of its first weight (a fused expert weight's blocks follow it)
         total = 0
         for param, shape in weights:
             numel = _numel(shape)
             if len(shape) < 2 or numel == 0:
                 continue
-            rows = int(shape[0])
-            cols = numel // rows
+            fused = blocks_of(param) if blocks_of is not None and len(shape) >= 3 else None
+            blocks = 1 if fused is None else int(fused)  # a fused weight of one expert is one weight of shape[1] rows
+            rows = int(shape[0]) if fused is None else int(shape[1])
+            cols = numel // (blocks * rows)
+            reduce = self._group_index(group_of(param) if group_of is not None else (group, _size(group)))
             weight_of[param] = len(self.weights)
-            self.weights.append(_Weight(param, rows, cols, total, columns_selected(cols, self.topk_ratio)))
-            total += cols
+            for block in range(blocks):
+                self.weights.append(
+                    _Weight(param,
+                            rows,
+                            cols,
+                            total,
+                            columns_selected(cols, self.topk_ratio),
+                            block=block,
+                            blocks=blocks,
+                            fused=fused is not None,
+                            reduce=reduce))
+                total += cols
         self.cols_total = total
-        self.pieces: List[Piece] = [p for p in pieces if p.length > 0]
-        self.splits = [self._split(p, weight_of.get(p.param)) for p in self.pieces]
+        # entries of the column-norm vector per group (None: all of them, the group is the only one)
+        self.group_entries = [None] if len(self.groups) <= 1 else [
+            torch.cat([torch.arange(w.norm_offset, w.norm_offset + w.cols) for w in self.weights if w.reduce == i])
+            for i in range(len(self.groups))
+        ]
+        self.pieces: List[Piece] = []
+        piece_weights = []
+        for piece in pieces:
+            if piece.length <= 0:
+                continue
+            first = weight_of.get(piece.param)
+            if first is None or self.weights[first].blocks == 1:  # a fused weight of one expert: offsets as they are
+                self.pieces.append(piece)
+                piece_weights.append(first)
+                continue
+            for sub, block in _block_pieces(piece, self.weights[first]):
+                self.pieces.append(sub)
+                piece_weights.append(first + block)
+        self.splits = [self._split(p, w) for p, w in zip(self.pieces, piece_weights)]
         self.cols = {}  # weight index -> selected columns (sorted), once selected
         self._build_ops()
+
+    def _group_index(self, key):
+        group, size = key
+        for i, (known, known_size) in enumerate(self.groups):
+            if known is group and known_size == size:  # one rank's group may be None, like the default group
+                return i
+        self.groups.append((group, int(size)))
+        return len(self.groups) - 1
+
+    def reduce_by_group(self, vector, entries_of, dtype=torch.float32):
+        """Sum ``vector`` (host) over ranks, each group's ``entries_of(i)`` over group ``i`` (a collective per group
+        of more than one rank, in the same order on every rank); returns the host result."""
+        if not dist.is_initialized():
+            return vector
+        for i, (group, size) in enumerate(self.groups or [(self.group, _size(self.group))]):
+            if size <= 1:
+                continue
+            entries = entries_of(i)
+            if entries is None:
+                reduced = vector.to(dtype).to(self.device)
+                dist.all_reduce(reduced, group=group)
+                vector = reduced.to(vector.dtype).cpu()
+                continue
+            reduced = vector[entries].to(dtype).to(self.device)
+            dist.all_reduce(reduced, group=group)
+            vector[entries] = reduced.to(vector.dtype).cpu()
+        return vector
 
     def _split(self, piece, weight):
         if weight is None:
@@ -172,11 +246,7 @@ class ColumnSelection:
             for row, c0, c1 in split.partials:
                 run = part.narrow(0, piece.part_offset + row * c + c0 - piece.start, c1 - c0)
                 norms.narrow(0, weight.norm_offset + c0, c1 - c0).add_(run.abs().float().cpu())
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            reduced = norms.to(self.device)
-            dist.all_reduce(reduced, group=self.group)
-            norms = reduced.cpu()
-        return norms
+        return self.reduce_by_group(norms, lambda i: self.group_entries[i])
 
     @torch.no_grad()
     def select(self, parts):
@@ -196,8 +266,16 @@ class ColumnSelection:
         self._build_ops()
 
     def selected_columns(self):
-        """Parameter -> its selected columns (sorted), for every selectable weight (empty before a selection)."""
-        return {self.weights[index].param: cols for index, cols in self.cols.items()}
+        """Parameter -> its selected columns (sorted), for every selectable weight (empty before a selection); a
+        fused expert weight's are stacked, one row per expert."""
+        out = {}
+        for index, cols in sorted(self.cols.items()):
+            weight = self.weights[index]
+            if not weight.fused:
+                out[weight.param] = cols
+            else:
+                out.setdefault(weight.param, []).append(cols)
+        return {p: torch.stack(c) if isinstance(c, list) else c for p, c in out.items()}
 
     def _build_ops(self):
         self.ops = [[] for _ in range(self.num_groups)]
@@ -309,6 +387,14 @@ class ColumnSelection:
                     sums[n + op.weight] += float(torch.linalg.vector_norm(run, dtype=torch.float32))**2
         return sums
 
+    def weight_sum_entries(self, i):
+        """The entries of :meth:`weight_sums`' vector that group ``i`` sums (None: all, the only group)."""
+        if len(self.groups) <= 1:
+            return None
+        n = len(self.weights)
+        ids = [w for w, weight in enumerate(self.weights) if weight.reduce == i]
+        return torch.tensor(ids + [n + w for w in ids], dtype=torch.long)
+
     def state(self):
         """The selection, for a checkpoint: weight index (selectable parameters in their fixed order) -> columns."""
         return {index: cols.clone() for index, cols in self.cols.items()}
@@ -317,6 +403,26 @@ class ColumnSelection:
         """Elements this rank updates on the device / elements it holds."""
         held = sum(p.length for p in self.pieces)
         return sum(self.numel) / held if held else 0.0
+
+
+def _block_pieces(piece, weight):
+    """``piece`` of a fused expert weight cut at its experts' boundaries: ``[(piece of one expert, expert)]``,
+    each starting relative to its expert's first element."""
+    size = weight.rows * weight.cols
+    out = []
+    lo, hi = piece.start, piece.start + piece.length
+    while lo < hi:
+        block = lo // size
+        end = min(hi, (block + 1) * size)
+        shift = lo - piece.start
+        out.append((Piece(piece.param, piece.shape, piece.group, lo - block * size, end - lo,
+                          piece.part_offset + shift, piece.target_offset + shift), block))
+        lo = end
+    return out
+
+
+def _size(group):
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def _numel(shape):

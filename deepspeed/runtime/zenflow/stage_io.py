@@ -18,7 +18,9 @@ Both give: ``weights()`` (every trainable parameter with its shape, the same lis
 ``targets()`` (per group, the 16-bit tensor the pieces' ``target_offset`` index), ``apply_host()``
 (the host step's 16-bit values into this rank's part of the model), ``publish()``, ``full_step()``
 (a plain offloaded step of everything, for warm-up rounds) and the rank's 16-bit values for a
-checkpoint (``own16`` / ``load_own16``).
+checkpoint (``own16`` / ``load_own16``); ``group_of(param)``, the group a parameter is partitioned
+over and its size (an expert's expert-data-parallel group, its ``ReductionSpec``), and ``blocks_of(param)``, the
+experts of a fused expert weight (AutoEP's ``(E, rows, cols)`` weights; None for any other parameter).
 """
 
 import torch
@@ -40,6 +42,14 @@ def partitioned_pieces(layout):
         start, length, part_offset = owned
         out.append(Piece(param, tuple(param.shape), slot.group, start, length, part_offset, slot.offset + start))
     return out
+
+
+def fused_experts(param, shape):
+    """How many experts a fused expert weight of ``shape`` holds (its first dimension; an expert parameter, marked
+    ``allreduce=False``, of three or more dimensions), None for any other parameter."""
+    if getattr(param, "allreduce", True) or len(shape) < 3:
+        return None
+    return int(shape[0])
 
 
 def _host_step_of(stage, parts, coef):
@@ -70,6 +80,13 @@ class PartitionedIO:
     def pieces(self):
         return partitioned_pieces(self.layout)
 
+    def group_of(self, param):
+        bucket = self.layout.buckets[self.layout.slots[param].bucket]
+        return self.stage._bucket_group(bucket), bucket.world
+
+    def blocks_of(self, param):
+        return fused_experts(param, tuple(param.shape))
+
     def targets(self):
         return [self.stage.flat_params] * self.num_groups
 
@@ -86,18 +103,20 @@ class PartitionedIO:
         layout, flat = self.layout, self.stage.flat_params
         works = []
         for bucket in layout.buckets:
+            if bucket.world == 1:  # an expert bucket whose expert-data-parallel group is this rank alone
+                continue
             send = layout.bucket_own_chunk_full(flat, bucket).clone()
             works.append(
                 dist.all_gather_into_tensor(layout.bucket_full(flat, bucket),
                                             send,
-                                            group=self.stage.group,
+                                            group=self.stage._bucket_group(bucket),
                                             async_op=True))
         for work in works:
             work.wait()
 
     def full_step(self, parts, coef):
         _host_step_of(self.stage, parts, coef)
-        self.stage.host_step.gather_into(self.layout, self.stage.flat_params, self.stage.group)
+        self.stage.host_step.gather_into(self.layout, self.stage.flat_params, self.stage._bucket_group)
 
     def own16(self):
         layout, flat = self.layout, self.stage.flat_params
@@ -127,10 +146,10 @@ class UnitIO:
         return [(p, tuple(p.ds_shape)) for p in self.layout.params]
 
     def pieces(self):
-        layout, rank, out = self.layout, self.layout.rank, []
+        layout, out = self.layout, []
         for param in layout.params:
             slot = layout.slots[param]
-            start = rank * slot.shard
+            start = slot.rank * slot.shard  # the rank in the group the parameter is sharded over (experts: theirs)
             length = max(0, min(slot.shard, param.ds_numel - start))
             if length:
                 out.append(
@@ -139,6 +158,13 @@ class UnitIO:
 
     def targets(self):
         return self.stage.shards[:self.num_groups]
+
+    def group_of(self, param):
+        spec = self.stage._expert_specs.get(param)
+        return (self.stage.group, self.stage.world_size) if spec is None else (spec.group, spec.world_size)
+
+    def blocks_of(self, param):
+        return fused_experts(param, tuple(param.ds_shape))
 
     def before_write(self):
         """Host shards (``offload_param``) may still be read by an asynchronous fetch to the device."""

@@ -46,6 +46,12 @@ squared gradient of its selected elements; the window closes once the share of w
 unselected sum caught up reaches ``auto_ratio`` (weights whose columns are all selected do not
 count). The quantities are reduced over ranks, so every rank decides alike.
 
+Expert parameters (``deepspeed.moe``, AutoEP) are partitioned over their expert-data-parallel group
+(their ``ReductionSpec``) and differ by expert-parallel rank: their column norms and "auto" sums are
+reduced over that group (``selection.py``), so the ranks holding an expert select alike from its
+global-mean gradient, and the "auto" rule counts each expert once over the data-parallel group. The
+norm, clipping and non-finite verdict stay the stage's (its partitions cover every expert once).
+
 Threads: the training thread keeps ``pt_reserved_cores_perc`` of the cores (torch's intra-op
 threads), the host worker takes the rest.
 
@@ -83,8 +89,14 @@ class ZenFlowStep:
             raise ValueError("zero_optimization.zenflow needs offload_optimizer.device \"cpu\"")
         self.schedule = resolve_schedule(cfg)
         pin = stage.config.pin_memory
-        self.selection = ColumnSelection(io.weights(), io.pieces(), io.num_groups, cfg.topk_ratio, stage.device,
-                                         stage.group)
+        self.selection = ColumnSelection(io.weights(),
+                                         io.pieces(),
+                                         io.num_groups,
+                                         cfg.topk_ratio,
+                                         stage.device,
+                                         stage.group,
+                                         group_of=io.group_of,
+                                         blocks_of=io.blocks_of)
         self.device_part = DevicePart(stage.device, cfg.offload, pin_memory=pin)
         worker_cores, main_cores = _split_affinity(range(host_cores()), cfg.pt_reserved_cores_perc)
         self.main_threads = len(main_cores)
@@ -255,11 +267,8 @@ class ZenFlowStep:
 
     def _auto_closes(self, parts):
         selection = self.selection
-        sums = selection.weight_sums(parts, self._raw_selected)
-        if dist.is_initialized() and dist.get_world_size(self.stage.group) > 1:
-            reduced = sums.to(torch.float32).to(self.stage.device)
-            dist.all_reduce(reduced, group=self.stage.group)
-            sums = reduced.double().cpu()
+        sums = selection.reduce_by_group(selection.weight_sums(parts, self._raw_selected),
+                                         selection.weight_sum_entries)
         n_weights = len(selection.weights)
         if self._auto is None:
             self._auto = dict(non=torch.zeros(n_weights, dtype=torch.float64),
@@ -267,17 +276,31 @@ class ZenFlowStep:
                               n=0)
         auto = self._auto
         auto["n"] += 1
-        counted = caught = 0
+        counts = torch.zeros(2 * max(len(selection.groups), 1), dtype=torch.float64)  # per group: counted, caught
         for i, weight in enumerate(selection.weights):
             if weight.k >= weight.cols:
                 continue
             total, selected = float(sums[i]), float(sums[n_weights + i])
             auto["crit"][i] += selected / (weight.k * weight.rows)
             auto["non"][i] += max(total - selected, 0.0) / ((weight.cols - weight.k) * weight.rows)
-            counted += 1
+            counts[2 * weight.reduce] += 1
             if auto["non"][i] >= auto["crit"][i] / auto["n"]:
-                caught += 1
+                counts[2 * weight.reduce + 1] += 1
+        counted, caught = self._count_weights(counts)
         return counted == 0 or caught >= self.schedule.auto_ratio * counted
+
+    def _count_weights(self, counts):
+        """``(counted, caught)`` over the whole model from this rank's per-group counts. Expert weights differ by
+        expert-parallel rank: their counts are summed over the data-parallel group, where each expert is counted
+        once per rank of its expert-data-parallel group (divided out), so every rank takes the same decision, the
+        one a rank holding every expert takes."""
+        groups = self.selection.groups
+        if len(groups) > 1 and dist.is_initialized() and dist.get_world_size(self.stage.group) > 1:
+            reduced = counts.to(torch.float32).to(self.stage.device)
+            dist.all_reduce(reduced, group=self.stage.group)
+            sizes = torch.tensor([float(size) for _, size in groups for _ in range(2)], dtype=torch.float64)
+            counts = torch.round(reduced.double().cpu() / sizes)
+        return float(counts[0::2].sum()), float(counts[1::2].sum())
 
     # ----------------------------------------------------- masters, checkpoints
     def sync_masters(self):

@@ -23,7 +23,8 @@ data-parallel group, count every expert once. ``offload_optimizer`` takes them u
 segments of the host partitions (sized by its group, like its gradient and 16-bit shards) are stepped like any
 other (the whole step or the unit step), and its uploaded 16-bit shard is what its group gathers. ZeRO++ takes
 them over their group (``_zeropp``: the same wire and quantized transport, hpZ on the group's sub-nodes of the node
-axis). Parameter offload and ZenFlow refuse them by name (``check_expert_support``).
+axis). ZenFlow takes them too: it selects an expert's columns over the group the expert is sharded over
+(``runtime/zenflow``). Parameter offload refuses them by name (``check_expert_support``).
 
 The step side. Each optimizer param group's partition on a rank is the concatenation, in
 unit order, of that group's parameter shards (``UnitPartitionLayout``); the 16-bit shards
@@ -691,7 +692,6 @@ def check_expert_support(config, group_names):
     its own group (``Stage3._zeropp``). The keys below have not been made to take a second sharding group."""
     unsupported = [
         ("offload_param", config.offload_param),
-        ("zenflow", config.zenflow is not None),
     ]
     keys = [key for key, on in unsupported if on]
     if keys:

@@ -56,10 +56,6 @@ class PartitionedStage(PartitionedOptimizerState, ZeroStage):
         self.layout = layout = PartitionedLayout(groups, list(module.parameters()), config.bucket_numel,
                                                  self.world_size, self.rank, self.reduction.spec_of)
         self.has_experts = self.reduction.has_experts(layout.params)
-        if self.has_experts and config.zenflow is not None:
-            raise NotImplementedError("expert parameters (deepspeed.moe, AutoEP) with ZenFlow are not supported: "
-                                      "ZenFlow selects gradient columns over one data-parallel group; see "
-                                      "docs/compatibility.md")
         if self.reduction.tensor and (config.offload_optimizer or config.zenflow is not None):
             raise NotImplementedError("tensor parallelism (AutoTP) with offload_optimizer or ZenFlow is not "
                                       "supported; see docs/tensor_parallel.md")

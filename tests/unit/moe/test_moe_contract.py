@@ -11,8 +11,9 @@ compare with the same model at ep 1 in plain torch and bf16, so that both sides 
 One micro-step sends every token to the experts of expert-parallel rank 0, so the other rank's
 experts receive no token in it. ZeRO 3 holds experts of expert-parallel size 1 (sharded like dense
 parameters) and of size 2 (sharded over their expert-data-parallel group), with the optimizer offloaded too
-(test_stage3_expert_offload.py trains them; test_stage3_expert_zeropp.py with ZeRO++); with parameter offload
-or ZenFlow it raises NotImplementedError on every rank.
+(test_stage3_expert_offload.py trains them; test_stage3_expert_zeropp.py with ZeRO++;
+tests/unit/zenflow/test_zenflow_experts.py with ZenFlow); with parameter offload it raises NotImplementedError on
+every rank.
 """
 
 import itertools
@@ -301,9 +302,6 @@ def _stage3_refused(key):
     if key == "offload_param":
         zero["offload_optimizer"] = {"device": "cpu"}  # honoured with experts; the parameters' offload is not
         zero["offload_param"] = {"device": "cpu"}
-    elif key == "zenflow":
-        zero["offload_optimizer"] = {"device": "cpu"}
-        zero["zenflow"] = {"topk_ratio": 0.1}
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": zero,
@@ -322,10 +320,10 @@ def _stage3_refused(key):
     return False
 
 
-@pytest.mark.parametrize("key", ["offload_param", "zenflow"])
+@pytest.mark.parametrize("key", ["offload_param"])
 def test_stage3_expert_refusals_on_every_rank(key):
-    """Experts of expert-parallel size > 1 on ZeRO-3 with what does not take them yet (parameter offload,
-    ZenFlow): refused by name, every rank (offload_optimizer is not among the keys named)."""
+    """Experts of expert-parallel size > 1 on ZeRO-3 with what does not take them yet (parameter offload): refused
+    by name, every rank (offload_optimizer is not among the keys named)."""
     assert run_distributed(_stage3_refused, 2, args=(key, ), timeout=T) == [True, True]
 
 

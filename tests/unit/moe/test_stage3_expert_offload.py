@@ -106,6 +106,13 @@ def _train(ep, k, gas, dtype_name, offload):
 
 def _reference_fp32(world, gas, k):
     """Plain torch, every expert on this rank, routing token by token; ``(losses of every rank, masters)``."""
+    named, loss_of = reference_model(k)
+    return _reference_steps(named, loss_of, world, gas, lambda x: x)
+
+
+def reference_model(k):
+    """The model of ``test_moe_contract`` in plain torch with every expert on this rank, routing token by token:
+    ``({name: parameter}, loss_of(x))`` (experts named ``expert<global index>.``)."""
     values = _dense_values()
     inp, out = torch.nn.Linear(D, D), torch.nn.Linear(D, 1)
     gate = torch.nn.Parameter(values["gate"].clone())
@@ -129,7 +136,7 @@ def _reference_fp32(world, gas, k):
         m, l_aux, _ = reference_moe_output(h, gate, experts, k, 1.0, 1)
         return out(h + m).float().square().mean() + AUX * l_aux
 
-    return _reference_steps(named, loss_of, world, gas, lambda x: x)
+    return named, loss_of
 
 
 def _reference_bf16(world, gas, k):

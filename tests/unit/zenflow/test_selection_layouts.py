@@ -12,7 +12,8 @@ whole gradient:
   every parameter of fewer than two dimensions, each once, and scatter puts them back where they came from.
 
 Chosen layouts (a weight only some ranks hold, a piece inside one row, parameters smaller than the world) and
-seeded random ones (widths from 1, bucket sizes from 1 to everything, worlds 1 to 4).
+seeded random ones (widths from 1, bucket sizes from 1 to everything, worlds 1 to 4). Fused expert weights
+``(E, rows, ...)`` (AutoEP's, one expert included) are selected expert by expert, pieces cut anywhere.
 """
 
 import random
@@ -143,3 +144,78 @@ def test_random_layouts():
         topk = rng.choice([0.05, 0.1, 0.3, 0.5, 1.0])
         torch.manual_seed(case)
         check_layouts(mlp(widths), bucket, world, topk, seed=case, two_groups=rng.random() < 0.3)
+
+
+def check_fused_experts(shapes, bucket, world, topk, seed):
+    """Fused expert weights ``(E, rows, ...)`` (marked ``allreduce=False``, as AutoEP's) beside plain parameters:
+    each expert is a weight of its own, whatever the cut of the partitions (pieces cross expert boundaries)."""
+    from deepspeed.runtime.zenflow.stage_io import fused_experts
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape, expert in shapes:
+        p = nn.Parameter(torch.zeros(shape))
+        if expert:
+            p.allreduce = False
+        params.append(p)
+    layouts = [PartitionedLayout([params], params, bucket, world, r) for r in range(world)]
+    full = torch.zeros(layouts[0].numel)
+    for p in params:
+        layouts[0].full_view(full, p).copy_(torch.randn(p.shape, generator=gen))
+    selections = [
+        ColumnSelection([(p, tuple(p.shape)) for p in params],
+                        partitioned_pieces(layout),
+                        1,
+                        topk,
+                        "cpu",
+                        blocks_of=lambda p: fused_experts(p, tuple(p.shape))) for layout in layouts
+    ]
+    parts = [rank_partitions(layout, full) for layout in layouts]
+    summed = torch.stack([sel.column_norms(part) for sel, part in zip(selections, parts)]).sum(0)
+    blocks = {}  # param -> its weights as (rows, cols) views of the full-space gradient
+    for p in params:
+        g = layouts[0].full_view(full, p)
+        if p.dim() >= 3 and not getattr(p, "allreduce", True):
+            blocks[p] = [g[e].reshape(g.shape[1], -1) for e in range(g.shape[0])]
+        elif p.dim() >= 2:
+            blocks[p] = [g.reshape(g.shape[0], -1)]
+    want_norms, want_cols = [], {}
+    for p, views in blocks.items():
+        want_cols[p] = []
+        for v in views:
+            norms = v.abs().double().sum(0)
+            want_norms.append(norms)
+            want_cols[p].append(torch.topk(norms, columns_selected(v.shape[1], topk)).indices.sort().values)
+    want = torch.cat(want_norms) if want_norms else torch.zeros(1, dtype=torch.float64)  # nothing selectable
+    torch.testing.assert_close(summed.double(), want, rtol=1e-5, atol=1e-6)
+    covered = torch.zeros(layouts[0].numel)
+    for sel, part in zip(selections, parts):
+        sel.column_norms = lambda _parts, summed=summed: summed.clone()
+        sel.select(part)
+        for p, cols in sel.selected_columns().items():
+            want = torch.stack(want_cols[p]) if p.dim() >= 3 and not getattr(p, "allreduce", True) else want_cols[p][0]
+            assert torch.equal(cols, want), (tuple(p.shape), cols, want)
+        buffers = sel.gather(part, sel.new_buffers())
+        sel.scatter([torch.ones_like(b) for b in buffers], [covered] * len(buffers), at="target")
+    want_mask = torch.zeros(layouts[0].numel)
+    for p in params:
+        view = layouts[0].full_view(want_mask, p)
+        if p not in blocks:
+            view.fill_(1.0)
+            continue
+        rows = view.view(len(blocks[p]), -1) if p.dim() >= 3 and not getattr(p, "allreduce", True) else \
+            view.view(1, -1)
+        for e, cols in enumerate(want_cols[p]):
+            rows[e].view(blocks[p][e].shape)[:, cols] = 1.0
+    assert torch.equal(covered, want_mask)
+
+
+def test_fused_expert_weights_select_per_expert():
+    check_fused_experts([((4, 3, 5), True), ((5, ), False), ((2, 4, 3), True), ((3, 4), False)], 7, 3, 0.2, 0)
+    rng = random.Random(20261207)
+    for case in range(30):
+        shapes = []
+        for _ in range(rng.randint(1, 4)):
+            dims = [rng.choice([1, 2, 3, 5]) for _ in range(rng.choice([1, 2, 3, 3, 4]))]
+            shapes.append((tuple(dims), len(dims) >= 3 or rng.random() < 0.3))
+        check_fused_experts(shapes, rng.choice([1, 5, 16, 100, int(5e8)]), rng.randint(1, 4),
+                            rng.choice([0.1, 0.3, 1.0]), case)
