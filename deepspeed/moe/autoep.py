@@ -23,7 +23,7 @@ contributes a zero gradient.
 Bad input is an error on every rank before any collective: an unknown ``preset_model`` or one
 that does not match the model, a model without sparse MoE blocks, ``num_experts`` not divisible
 by ``autoep_size``, ``autoep_size`` not dividing the world, a routing that cannot be computed, ZeRO-3
-with what it does not take with experts of ``autoep_size`` > 1 (parameter offload, ZenFlow, ZeRO++;
+with what it does not take with experts of ``autoep_size`` > 1 (ZenFlow, ZeRO++;
 ``stage3.check_expert_support``).
 """
 

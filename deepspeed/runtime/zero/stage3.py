@@ -19,10 +19,11 @@ across expert-parallel ranks: each is sharded over its expert-data-parallel grou
 its own (``build_units`` never mixes groups), gathered and reduce-scattered over that group with the spec's
 factor, so the optimizer-visible gradient stays the mean over the global batch. The partitions of all ranks
 still cover every parameter of the model once, so the norm and the non-finite verdict, summed over the
-data-parallel group, count every expert once. ``offload_optimizer`` takes them unchanged: an expert unit's
-segments of the host partitions (sized by its group, like its gradient and 16-bit shards) are stepped like any
-other (the whole step or the unit step), and its uploaded 16-bit shard is what its group gathers. Parameter
-offload, ZenFlow and ZeRO++ refuse them by name (``check_expert_support``).
+data-parallel group, count every expert once. Offload takes them unchanged: an expert unit's segments of the
+host partitions and of the 16-bit shards are sized by its group (``UnitPartitionLayout``); ``offload_optimizer``
+steps them like any other (the whole step or the unit step), and with ``offload_param`` (CPU or NVMe) the unit's
+row is uploaded from its host (or disk) shard and all-gathered over its group like a device row. ZenFlow and
+ZeRO++ refuse them by name (``check_expert_support``).
 
 The step side. Each optimizer param group's partition on a rank is the concatenation, in
 unit order, of that group's parameter shards (``UnitPartitionLayout``); the 16-bit shards
@@ -656,11 +657,11 @@ def check_expert_support(config, group_names):
     """Raise where expert parameters of expert-parallel size > 1 (of the expert groups ``group_names``) meet a
     stage-3 feature that does not take them; ``config`` a StageConfig (AutoEP checks before any collective).
 
-    ``offload_optimizer`` is not among them: the host step works on the layout's unit segments, whatever group a
-    unit is sharded over (docs/moe.md). The keys below have not been made to take a second sharding group."""
+    ``offload_optimizer`` and ``offload_param`` are not among them: the host step and the shard uploads work on the
+    layout's unit segments, whatever group a unit is sharded over (docs/moe.md). The keys below have not been made
+    to take a second sharding group."""
     zeropp = config.zeropp
     unsupported = [
-        ("offload_param", config.offload_param),
         ("zenflow", config.zenflow is not None),
         ("zero_quantized_weights", zeropp.quantized_weights),
         ("zero_quantized_gradients", zeropp.quantized_gradients),

@@ -8,7 +8,8 @@ equals the HF router of the model whose config says the same (DeepSeek's ``route
 ``score_apply`` / ``route_scale`` values no HF config expresses equal a plain-torch formula.
 
 Training: tiny models of each preset train with AutoEP at ep 1, 2 and 4 on ZeRO 0-3 (GAS 1 and 4,
-fp32 and bf16, cells with the optimizer offloaded, ZeRO-3 at ep 2 among them); losses and gradients equal the
+fp32 and bf16, cells with the optimizer offloaded, ZeRO-3 at ep 2 among them, one with the parameters offloaded
+too); losses and gradients equal the
 unsharded HF model's in plain torch, each rank's experts against the same slice of the unsharded experts. A
 cell with routing keys compares with the HF model whose config routes that way.
 """
@@ -257,7 +258,10 @@ def _run(cell):
         reference = reference.to(torch.bfloat16)
     if offload:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if offload == "param":  # the 16-bit shards on the host too
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    assert (getattr(engine._stage, "fetch", None) is not None) == (offload == "param")
     batches = _batches(world, gas)
     losses, got = [], {}
     for micro in range(gas):
@@ -312,9 +316,9 @@ CELLS_2 = [("qwen3_moe", 2, 1, 1, "fp32", False, False), ("deepseek_v3", 2, 2, 4
            ("qwen3_5_moe", 1, 2, 1, "bf16", True, False), ("deepseek_v2", 0, 1, 1, "fp32", False, True),
            ("deepseek_v3", 1, 2, 1, "fp32", False, True), ("deepseek_v3", 3, 2, 4, "fp32", False, True)]
 # ZeRO-3 at ep 2 on world 4: the experts sharded over their expert-data-parallel group of two ranks (bf16 with the
-# optimizer offloaded: the pipelined unit step)
+# optimizer offloaded: the pipelined unit step; fp32 with the optimizer and the parameters offloaded: "param")
 CELLS_4 = [("mixtral", 1, 4, 1, "fp32", False, False), ("deepseek_v2", 2, 4, 1, "fp32", False, False),
-           ("qwen3_5_moe", 3, 2, 1, "bf16", True, False)]
+           ("qwen3_5_moe", 3, 2, 1, "bf16", True, False), ("mixtral", 3, 2, 2, "fp32", "param", False)]
 
 
 def _random_shape(seed):

@@ -298,10 +298,7 @@ def _stage3_refused(key):
     import deepspeed
     model = Net(2, 1)
     zero = {"stage": 3}
-    if key == "offload_param":
-        zero["offload_optimizer"] = {"device": "cpu"}  # honoured with experts; the parameters' offload is not
-        zero["offload_param"] = {"device": "cpu"}
-    elif key == "zenflow":
+    if key == "zenflow":
         zero["offload_optimizer"] = {"device": "cpu"}
         zero["zenflow"] = {"topk_ratio": 0.1}
     else:
@@ -324,10 +321,10 @@ def _stage3_refused(key):
     return False
 
 
-@pytest.mark.parametrize("key", ["offload_param", "zenflow", "zero_hpz_partition_size"])
+@pytest.mark.parametrize("key", ["zenflow", "zero_hpz_partition_size"])
 def test_stage3_expert_refusals_on_every_rank(key):
-    """Experts of expert-parallel size > 1 on ZeRO-3 with what does not take them yet (parameter offload, ZenFlow,
-    ZeRO++): refused by name, every rank (offload_optimizer is not among the keys named)."""
+    """Experts of expert-parallel size > 1 on ZeRO-3 with what does not take them yet (ZenFlow, ZeRO++): refused
+    by name, every rank (offload_optimizer is not among the keys named)."""
     assert run_distributed(_stage3_refused, 2, args=(key, ), timeout=T) == [True, True]
 
 
