@@ -427,9 +427,14 @@ class GatheredParameters(contextlib.ContextDecorator):
     """Make partitioned parameters whole inside the context.
 
     Plain tensors and parameters that are not partitioned are ignored. With
-    ``modifier_rank``, that rank's edits are broadcast to every rank and
-    re-partitioned on exit (also into the fp32 masters of an engine that owns them).
-    Works before ``deepspeed.initialize``.
+    ``modifier_rank`` (a global rank), that rank's edits are broadcast to every rank that
+    holds the parameter and re-partitioned on exit (also into the fp32 masters of an engine
+    that owns them). Works before ``deepspeed.initialize``.
+
+    An expert parameter of expert-parallel size > 1 on ZeRO-3 is a different expert on each
+    expert-parallel rank, held by its expert-data-parallel group: the edits of one member of
+    that group are broadcast over the group (:func:`modifier_source`), and the other groups
+    keep their own experts' values edited by their own member.
     """
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
@@ -458,14 +463,11 @@ class GatheredParameters(contextlib.ContextDecorator):
         try:
             if self.modifier_rank is not None and exc[0] is None:
                 _shards_current(self.params)
-                world, _ = _dp_world()
-                if any(getattr(p, "ds_partition_world", None) is not None for p in self.params):
-                    raise NotImplementedError("GatheredParameters(modifier_rank=...) over expert parameters of "
-                                              "expert-parallel size > 1 on ZeRO-3 is not supported")
                 with torch.no_grad():
                     for param in self.params:
+                        world, _, group = _param_world(param)
                         if world > 1:
-                            dist.broadcast(param.data, src=self.modifier_rank)
+                            dist.broadcast(param.data, src=modifier_source(param, self.modifier_rank), group=group)
                         write_shard_from_full(param, param.data)
                         stage = owner_of(param)
                         if stage is not None:
@@ -475,6 +477,37 @@ class GatheredParameters(contextlib.ContextDecorator):
                 release_param(param)
             self._gathered = []
         return False
+
+
+def modifier_source(param, modifier_rank):
+    """The global rank whose value of ``param`` a ``GatheredParameters(modifier_rank=...)`` keeps on this rank.
+
+    ``modifier_rank`` itself for a parameter sharded over every data-parallel rank. For one sharded over a group of
+    its own (an expert parameter of expert-parallel size > 1 on ZeRO-3: its expert-data-parallel group), the member
+    of this rank's group at the position ``modifier_rank`` holds in its own group of that kind: ``modifier_rank``
+    where it belongs to this group, else its counterpart (with ``modifier_rank=0``, every group's first rank, the
+    rank upstream picks where it reads ``modifier_rank`` as a rank of the parameter's group).
+    """
+    if getattr(param, "ds_partition_world", None) is None:
+        return modifier_rank
+    import torch.distributed as tdist
+    group = param.ds_process_group
+    mine = tuple(tdist.get_process_group_ranks(group)) if group is not None else (tdist.get_rank(), )
+    if modifier_rank in mine:
+        return modifier_rank
+    from deepspeed.utils.groups import current_mesh
+    name = getattr(param, "group_name", None)
+    kind = f"expert_data_parallel:{name}"
+    mesh = current_mesh()
+    if name is None or kind not in mesh.groups or tuple(mesh.ranks(kind)) != mine:
+        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): rank {modifier_rank} does not hold this "
+                         f"parameter (sharded over ranks {list(mine)}) and it belongs to no expert group of the "
+                         "mesh to find its counterpart in; pass a rank of that group")
+    if not 0 <= modifier_rank < mesh.description.world_size:
+        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): no such rank (world size "
+                         f"{mesh.description.world_size})")
+    theirs = mesh.description.ranks_of(kind, modifier_rank)
+    return mine[theirs.index(modifier_rank)]
 
 
 def _shards_current(params):
