@@ -157,6 +157,29 @@ def gather_param(param, group=None):
 
 
 @torch.no_grad()
+def repartition_param(param, world_size, rank, group, shard_device=None):
+    """Re-shard a parameter partitioned over every data-parallel rank (by ``zero.Init``) over a group of its own
+    (``world_size`` ranks, this one ``rank`` in it; ``group`` None for a group of one), as ``partition_param`` with
+    ``own_group`` would have: its whole value is gathered first (a collective over every rank, which all pass the
+    same parameters in the same order). ``ds_id`` and the rest of its attributes are kept."""
+    gather_param(param)
+    flat = param.data.reshape(-1)
+    shard = shard_numel(param.ds_numel, world_size)
+    start = rank * shard
+    piece = torch.zeros(shard, dtype=param.ds_tensor.dtype, device=shard_device or param.ds_tensor.device)
+    take = max(0, min(param.ds_numel - start, shard))
+    if take > 0:
+        piece[:take].copy_(flat[start:start + take])
+    param.ds_shard_numel = shard
+    param.ds_tensor = piece
+    param.ds_process_group = group
+    param.ds_partition_world = world_size
+    param.ds_partition_rank = rank
+    release_param(param)
+    return param
+
+
+@torch.no_grad()
 def write_shard_from_full(param, full):
     """Copy this rank's shard of ``full`` (the whole parameter value) into ``param.ds_tensor``."""
     _, rank, _ = _param_world(param)

@@ -55,7 +55,7 @@ from deepspeed.runtime.zero.offload.param_fetch import ShardFetch
 from deepspeed.runtime.zero.units.parameter_units import UnitCoordinator, build_units
 from deepspeed.runtime.zero.partitions.partition_layout import UnitPartitionLayout
 from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zero_param, partition_param,
-                                                         write_shard_from_full)
+                                                         repartition_param, write_shard_from_full)
 from deepspeed.runtime.precision.low_precision_masters import check_optimizer
 from deepspeed.runtime.zero.partitions.partitioned_step import (PartitionedOptimizerState, attach_step_grads,
                                                                 master_partition, point_optimizer_at)
@@ -105,10 +105,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             for p in all_params:
                 spec = self._expert_specs.get(p)
                 if is_zero_param(p) and spec is not None and getattr(p, "ds_partition_world", None) is None:
-                    raise NotImplementedError(
-                        "expert parameters of expert-parallel size > 1 created under deepspeed.zero.Init are not "
-                        "supported on ZeRO stage 3 (they are partitioned over every data-parallel rank); build the "
-                        "MoE layer outside zero.Init (see docs/moe.md)")
+                    # built under zero.Init, which shards over every rank: over its expert-data-parallel group now
+                    repartition_param(p, spec.world_size, spec.rank, spec.group)
                 if not is_zero_param(p):
                     partition_param(p,
                                     world if spec is None else spec.world_size,

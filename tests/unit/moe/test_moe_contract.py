@@ -67,6 +67,7 @@ class Net(torch.nn.Module):
 
     def __init__(self, ep, k):
         from deepspeed.moe.layer import MoE
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
         super().__init__()
         self.inp = torch.nn.Linear(D, D)
         self.moe = MoE(D,
@@ -80,12 +81,14 @@ class Net(torch.nn.Module):
                        top2_2nd_expert_sampling=False)
         self.out = torch.nn.Linear(D, 1)
         values = _dense_values()
-        with torch.no_grad():
+        dense = [self.inp.weight, self.inp.bias, self.moe.deepspeed_moe.gate.wg.weight, self.out.weight, self.out.bias]
+        with torch.no_grad(), GatheredParameters(dense, modifier_rank=0):  # (built under zero.Init: partitioned)
             self.inp.weight.copy_(values["inp"][0])
             self.inp.bias.copy_(values["inp"][1])
             self.moe.deepspeed_moe.gate.wg.weight.copy_(values["gate"])
             self.out.weight.copy_(values["out"][0])
             self.out.bias.copy_(values["out"][1])
+        with torch.no_grad():
             # distinct experts, by global index: ep rank r (rank % ep in the standard layout) holds r*L .. r*L+L-1
             rank = torch.distributed.get_rank()
             for local, e in enumerate(_local_experts(rank, ep)):
