@@ -40,6 +40,7 @@ from deepspeed.moe.autoep_router import install_routing
 from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
 from deepspeed.moe.sharded_moe import _all_to_all
 from deepspeed.moe.utils import mark_expert_param
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters, is_zero_param
 from deepspeed.utils import groups
 
 
@@ -99,11 +100,16 @@ def block_plan(model, cfg, preset):
     spec = requested_routing(own, cfg, model.config, num_experts)
     plan = []
     for name, block in blocks:
-        held = int(block.experts.gate_up_proj.shape[0])
+        held = int(_whole_shape(block.experts.gate_up_proj)[0])
         if held != num_experts:
             raise ValueError(f"AutoEP: block '{name}' holds {held} experts, the model config says {num_experts}")
         plan.append((name, block, None if spec == own else spec))
     return plan
+
+
+def _whole_shape(param):
+    """A parameter's shape, whole even where ``zero.Init`` partitioned it."""
+    return param.ds_shape if is_zero_param(param) else param.shape
 
 
 def check_autoep(model, cfg, world_size, zero_stage, sequence_parallel_size=1):
@@ -181,14 +187,18 @@ class GroupedExperts(nn.Module):
         self.act_fn = _ACTIVATIONS[activation] if activation is not None else experts.act_fn
         self.use_grouped_mm = use_grouped_mm
         self.expert_group_name = groups.expert_group_name(self.ep_size)
-        layout = classify_fused_gate_up_layout(experts.gate_up_proj.shape, experts.down_proj.shape)
+        gate_up_shape, down_shape = _whole_shape(experts.gate_up_proj), _whole_shape(experts.down_proj)
+        layout = classify_fused_gate_up_layout(gate_up_shape, down_shape)
         if layout is None or layout.layout != "gate_up_first":
             raise NotImplementedError(
-                f"AutoEP: the experts' fused weights (gate_up_proj {tuple(experts.gate_up_proj.shape)}, down_proj "
-                f"{tuple(experts.down_proj.shape)}) are not in the [E, 2F, H] / [E, H, F] layout this release "
+                f"AutoEP: the experts' fused weights (gate_up_proj {tuple(gate_up_shape)}, down_proj "
+                f"{tuple(down_shape)}) are not in the [E, 2F, H] / [E, H, F] layout this release "
                 f"computes ({'layout ' + layout.layout if layout else 'no known layout'}); see docs/moe.md")
         local = slice(self.first_expert, self.first_expert + self.num_local_experts)
-        with torch.no_grad():
+        # built under zero.Init, the fused weights are partitioned over every rank: sliced from their whole value (a
+        # collective, every rank replacing the same blocks in order); the slices are plain parameters, which the
+        # ZeRO-3 engine shards over their expert-data-parallel group
+        with torch.no_grad(), GatheredParameters([experts.gate_up_proj, experts.down_proj]):
             self.gate_up_proj = nn.Parameter(experts.gate_up_proj[local].detach().clone(),
                                              requires_grad=experts.gate_up_proj.requires_grad)
             self.down_proj = nn.Parameter(experts.down_proj[local].detach().clone(),
