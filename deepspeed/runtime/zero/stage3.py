@@ -22,8 +22,9 @@ still cover every parameter of the model once, so the norm and the non-finite ve
 data-parallel group, count every expert once. Offload takes them unchanged: an expert unit's segments of the
 host partitions and of the 16-bit shards are sized by its group (``UnitPartitionLayout``); ``offload_optimizer``
 steps them like any other (the whole step or the unit step), and with ``offload_param`` (CPU or NVMe) the unit's
-row is uploaded from its host (or disk) shard and all-gathered over its group like a device row. ZenFlow and
-ZeRO++ refuse them by name (``check_expert_support``).
+row is uploaded from its host (or disk) shard and all-gathered over its group like a device row. Expert parameters
+``zero.Init`` partitioned over every rank are gathered and re-sharded over their group here. ZenFlow and ZeRO++
+refuse them by name (``check_expert_support``).
 
 The step side. Each optimizer param group's partition on a rank is the concatenation, in
 unit order, of that group's parameter shards (``UnitPartitionLayout``); the 16-bit shards
