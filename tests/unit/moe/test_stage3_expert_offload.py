@@ -244,7 +244,10 @@ def _cell(ep, k, gas, dtype_name, native, offload, offload_param=None, zero_init
     on_disk = [s for s in (offload, offload_param) if s and s["device"] == "nvme"]
     disk = tempfile.mkdtemp() if on_disk else None
     try:
-        offloaded = _train(ep, k, gas, dtype_name,
+        offloaded = _train(ep,
+                           k,
+                           gas,
+                           dtype_name,
                            dict(offload, nvme_path=disk) if offload and offload in on_disk else offload,
                            dict(offload_param, nvme_path=disk) if offload_param in on_disk else offload_param,
                            zero_init=zero_init)
