@@ -133,7 +133,7 @@ def _bad(kind):
         config["expert_parallel"]["autoep_size"] = 4
     elif kind == "num_experts":
         config["expert_parallel"]["autoep_size"] = 3
-    elif kind == "stage3_offload":  # ZeRO-3: experts of autoep_size 2 take offload_optimizer, not offload_param
+    elif kind == "stage3_hpz":  # ZeRO-3: experts of autoep_size 2 take offload, not hpZ
         config["zero_optimization"] = {
             "stage": 3,
             "offload_optimizer": {
@@ -141,7 +141,8 @@ def _bad(kind):
             },
             "offload_param": {
                 "device": "cpu"
-            }
+            },
+            "zero_hpz_partition_size": 2
         }
     elif kind == "key":
         config["expert_parallel"]["autoep_sise"] = 2
@@ -154,7 +155,7 @@ def _bad(kind):
 
 @pytest.mark.parametrize("kind, match", [("preset", "does not match"), ("ep_world", "divide the world"),
                                          ("num_experts", "divide the model's number of experts"),
-                                         ("stage3_offload", "zero_optimization.offload_param with"),
+                                         ("stage3_hpz", "zero_optimization.zero_hpz_partition_size with"),
                                          ("key", "unknown config key")])
 def test_bad_input_errors_on_every_rank(kind, match):
     results = run_distributed(_bad, 2, args=(kind, ), timeout=T)
