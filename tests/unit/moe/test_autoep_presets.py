@@ -327,7 +327,7 @@ CELLS_2 = [("qwen3_moe", 2, 1, 1, "fp32", False, False), ("deepseek_v3", 2, 2, 4
 # optimizer offloaded: the pipelined unit step; fp32 with the optimizer and the parameters offloaded, "param", and the
 # model built under zero.Init, its fused experts sliced from their whole value)
 CELLS_4 = [("mixtral", 1, 4, 1, "fp32", False, False), ("deepseek_v2", 2, 4, 1, "fp32", False, False),
-           ("qwen3_5_moe", 3, 2, 1, "bf16", True, False), ("mixtral", 3, 2, 2, "fp32", "param", False, {}, True)]
+           ("qwen3_5_moe", 3, 2, 1, "bf16", True, False)]
 
 
 def _random_shape(seed):
@@ -339,6 +339,7 @@ def _random_shape(seed):
 
 CELLS_2.append(("qwen3_5_moe", 2, 2, 1, "fp32", False, False, _random_shape(40)))  # 6 experts (3 per rank), top-4
 CELLS_4.append(("mixtral", 3, 2, 1, "fp32", False, False, _random_shape(45)))  # ZeRO-3: 8 experts (4 per rank), top-3
+CELLS_4.append(("mixtral", 3, 2, 2, "fp32", "param", False, _random_shape(49), True))  # 6 experts, top-2; zero.Init
 
 
 def test_presets_world2():
