@@ -22,9 +22,8 @@ contributes a zero gradient.
 
 Bad input is an error on every rank before any collective: an unknown ``preset_model`` or one
 that does not match the model, a model without sparse MoE blocks, ``num_experts`` not divisible
-by ``autoep_size``, ``autoep_size`` not dividing the world, a routing that cannot be computed, ZeRO-3
-with what it does not take with experts of ``autoep_size`` > 1 (parameter offload;
-``stage3.check_expert_support``).
+by ``autoep_size``, ``autoep_size`` not dividing the world, a routing that cannot be computed. ZeRO-3 takes
+experts of every ``autoep_size`` with every ZeRO-3 feature (offload, ZeRO++, ZenFlow; docs/moe.md).
 """
 
 import re
@@ -40,6 +39,7 @@ from deepspeed.moe.autoep_router import install_routing
 from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
 from deepspeed.moe.sharded_moe import _all_to_all
 from deepspeed.moe.utils import mark_expert_param
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters, is_zero_param
 from deepspeed.utils import groups
 
 
@@ -99,11 +99,16 @@ def block_plan(model, cfg, preset):
     spec = requested_routing(own, cfg, model.config, num_experts)
     plan = []
     for name, block in blocks:
-        held = int(block.experts.gate_up_proj.shape[0])
+        held = int(_whole_shape(block.experts.gate_up_proj)[0])
         if held != num_experts:
             raise ValueError(f"AutoEP: block '{name}' holds {held} experts, the model config says {num_experts}")
         plan.append((name, block, None if spec == own else spec))
     return plan
+
+
+def _whole_shape(param):
+    """A parameter's shape, whole even where ``zero.Init`` partitioned it."""
+    return param.ds_shape if is_zero_param(param) else param.shape
 
 
 def check_autoep(model, cfg, world_size, zero_stage, sequence_parallel_size=1):
@@ -181,14 +186,18 @@ class GroupedExperts(nn.Module):
         self.act_fn = _ACTIVATIONS[activation] if activation is not None else experts.act_fn
         self.use_grouped_mm = use_grouped_mm
         self.expert_group_name = groups.expert_group_name(self.ep_size)
-        layout = classify_fused_gate_up_layout(experts.gate_up_proj.shape, experts.down_proj.shape)
+        gate_up_shape, down_shape = _whole_shape(experts.gate_up_proj), _whole_shape(experts.down_proj)
+        layout = classify_fused_gate_up_layout(gate_up_shape, down_shape)
         if layout is None or layout.layout != "gate_up_first":
             raise NotImplementedError(
-                f"AutoEP: the experts' fused weights (gate_up_proj {tuple(experts.gate_up_proj.shape)}, down_proj "
-                f"{tuple(experts.down_proj.shape)}) are not in the [E, 2F, H] / [E, H, F] layout this release "
+                f"AutoEP: the experts' fused weights (gate_up_proj {tuple(gate_up_shape)}, down_proj "
+                f"{tuple(down_shape)}) are not in the [E, 2F, H] / [E, H, F] layout this release "
                 f"computes ({'layout ' + layout.layout if layout else 'no known layout'}); see docs/moe.md")
         local = slice(self.first_expert, self.first_expert + self.num_local_experts)
-        with torch.no_grad():
+        # built under zero.Init, the fused weights are partitioned over every rank: sliced from their whole value (a
+        # collective, every rank replacing the same blocks in order); the slices are plain parameters, which the
+        # ZeRO-3 engine shards over their expert-data-parallel group
+        with torch.no_grad(), GatheredParameters([experts.gate_up_proj, experts.down_proj]):
             self.gate_up_proj = nn.Parameter(experts.gate_up_proj[local].detach().clone(),
                                              requires_grad=experts.gate_up_proj.requires_grad)
             self.down_proj = nn.Parameter(experts.down_proj[local].detach().clone(),
@@ -348,12 +357,6 @@ def configure_autoep(ds_config, model, mpu, world_size):
     if mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
         sp = int(mpu.get_sequence_parallel_world_size())
     check_autoep(model, cfg, world_size, ds_config.zero_optimization_stage, sp)
-    if ds_config.zero_optimization_stage == 3 and cfg.autoep_size > 1:  # what ZeRO-3 does not take with experts
-        from deepspeed.runtime.zero.stage3 import check_expert_support
-        from deepspeed.runtime.zero.stages import StageConfig
-        from deepspeed.utils.groups import expert_group_name
-        check_expert_support(StageConfig.from_ds_config(ds_config, torch.float32),
-                             [expert_group_name(cfg.autoep_size)])
     return cfg
 
 

@@ -157,6 +157,29 @@ def gather_param(param, group=None):
 
 
 @torch.no_grad()
+def repartition_param(param, world_size, rank, group, shard_device=None):
+    """Re-shard a parameter partitioned over every data-parallel rank (by ``zero.Init``) over a group of its own
+    (``world_size`` ranks, this one ``rank`` in it; ``group`` None for a group of one), as ``partition_param`` with
+    ``own_group`` would have: its whole value is gathered first (a collective over every rank, which all pass the
+    same parameters in the same order). ``ds_id`` and the rest of its attributes are kept."""
+    gather_param(param)
+    flat = param.data.reshape(-1)
+    shard = shard_numel(param.ds_numel, world_size)
+    start = rank * shard
+    piece = torch.zeros(shard, dtype=param.ds_tensor.dtype, device=shard_device or param.ds_tensor.device)
+    take = max(0, min(param.ds_numel - start, shard))
+    if take > 0:
+        piece[:take].copy_(flat[start:start + take])
+    param.ds_shard_numel = shard
+    param.ds_tensor = piece
+    param.ds_process_group = group
+    param.ds_partition_world = world_size
+    param.ds_partition_rank = rank
+    release_param(param)
+    return param
+
+
+@torch.no_grad()
 def write_shard_from_full(param, full):
     """Copy this rank's shard of ``full`` (the whole parameter value) into ``param.ds_tensor``."""
     _, rank, _ = _param_world(param)
@@ -427,9 +450,14 @@ class GatheredParameters(contextlib.ContextDecorator):
     """Make partitioned parameters whole inside the context.
 
     Plain tensors and parameters that are not partitioned are ignored. With
-    ``modifier_rank``, that rank's edits are broadcast to every rank and
-    re-partitioned on exit (also into the fp32 masters of an engine that owns them).
-    Works before ``deepspeed.initialize``.
+    ``modifier_rank`` (a global rank), that rank's edits are broadcast to every rank that
+    holds the parameter and re-partitioned on exit (also into the fp32 masters of an engine
+    that owns them). Works before ``deepspeed.initialize``.
+
+    An expert parameter of expert-parallel size > 1 on ZeRO-3 is a different expert on each
+    expert-parallel rank, held by its expert-data-parallel group: the edits of one member of
+    that group are broadcast over the group (:func:`modifier_source`), and the other groups
+    keep their own experts' values edited by their own member.
     """
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
@@ -458,14 +486,11 @@ class GatheredParameters(contextlib.ContextDecorator):
         try:
             if self.modifier_rank is not None and exc[0] is None:
                 _shards_current(self.params)
-                world, _ = _dp_world()
-                if any(getattr(p, "ds_partition_world", None) is not None for p in self.params):
-                    raise NotImplementedError("GatheredParameters(modifier_rank=...) over expert parameters of "
-                                              "expert-parallel size > 1 on ZeRO-3 is not supported")
                 with torch.no_grad():
                     for param in self.params:
+                        world, _, group = _param_world(param)
                         if world > 1:
-                            dist.broadcast(param.data, src=self.modifier_rank)
+                            dist.broadcast(param.data, src=modifier_source(param, self.modifier_rank), group=group)
                         write_shard_from_full(param, param.data)
                         stage = owner_of(param)
                         if stage is not None:
@@ -475,6 +500,37 @@ class GatheredParameters(contextlib.ContextDecorator):
                 release_param(param)
             self._gathered = []
         return False
+
+
+def modifier_source(param, modifier_rank):
+    """The global rank whose value of ``param`` a ``GatheredParameters(modifier_rank=...)`` keeps on this rank.
+
+    ``modifier_rank`` itself for a parameter sharded over every data-parallel rank. For one sharded over a group of
+    its own (an expert parameter of expert-parallel size > 1 on ZeRO-3: its expert-data-parallel group), the member
+    of this rank's group at the position ``modifier_rank`` holds in its own group of that kind: ``modifier_rank``
+    where it belongs to this group, else its counterpart (with ``modifier_rank=0``, every group's first rank, the
+    rank upstream picks where it reads ``modifier_rank`` as a rank of the parameter's group).
+    """
+    if getattr(param, "ds_partition_world", None) is None:
+        return modifier_rank
+    import torch.distributed as tdist
+    group = param.ds_process_group
+    mine = tuple(tdist.get_process_group_ranks(group)) if group is not None else (tdist.get_rank(), )
+    if modifier_rank in mine:
+        return modifier_rank
+    from deepspeed.utils.groups import current_mesh
+    name = getattr(param, "group_name", None)
+    kind = f"expert_data_parallel:{name}"
+    mesh = current_mesh()
+    if name is None or kind not in mesh.groups or tuple(mesh.ranks(kind)) != mine:
+        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): rank {modifier_rank} does not hold this "
+                         f"parameter (sharded over ranks {list(mine)}) and it belongs to no expert group of the "
+                         "mesh to find its counterpart in; pass a rank of that group")
+    if not 0 <= modifier_rank < mesh.description.world_size:
+        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): no such rank (world size "
+                         f"{mesh.description.world_size})")
+    theirs = mesh.description.ranks_of(kind, modifier_rank)
+    return mine[theirs.index(modifier_rank)]
 
 
 def _shards_current(params):

@@ -19,12 +19,13 @@ across expert-parallel ranks: each is sharded over its expert-data-parallel grou
 its own (``build_units`` never mixes groups), gathered and reduce-scattered over that group with the spec's
 factor, so the optimizer-visible gradient stays the mean over the global batch. The partitions of all ranks
 still cover every parameter of the model once, so the norm and the non-finite verdict, summed over the
-data-parallel group, count every expert once. ``offload_optimizer`` takes them unchanged: an expert unit's
-segments of the host partitions (sized by its group, like its gradient and 16-bit shards) are stepped like any
-other (the whole step or the unit step), and its uploaded 16-bit shard is what its group gathers. ZeRO++ takes
-them over their group (``_zeropp``: the same wire and quantized transport, hpZ on the group's sub-nodes of the node
-axis). ZenFlow takes them too: it selects an expert's columns over the group the expert is sharded over
-(``runtime/zenflow``). Parameter offload refuses them by name (``check_expert_support``).
+data-parallel group, count every expert once. Offload takes them unchanged: an expert unit's segments of the
+host partitions and of the 16-bit shards are sized by its group (``UnitPartitionLayout``); ``offload_optimizer``
+steps them like any other (the whole step or the unit step), and with ``offload_param`` (CPU or NVMe) the unit's
+row is uploaded from its host (or disk) shard and all-gathered over its group like a device row. Expert parameters
+``zero.Init`` partitioned over every rank are gathered and re-sharded over their group here. ZeRO++ takes them over
+their group (``_zeropp``: the same wire and quantized transport, hpZ on the group's sub-nodes of the node axis);
+ZenFlow selects an expert's columns over the group the expert is sharded over (``runtime/zenflow``).
 
 The step side. Each optimizer param group's partition on a rank is the concatenation, in
 unit order, of that group's parameter shards (``UnitPartitionLayout``); the 16-bit shards
@@ -56,7 +57,7 @@ from deepspeed.runtime.zero.offload.param_fetch import ShardFetch
 from deepspeed.runtime.zero.units.parameter_units import UnitCoordinator, build_units
 from deepspeed.runtime.zero.partitions.partition_layout import UnitPartitionLayout
 from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, is_zero_param, partition_param,
-                                                         write_shard_from_full)
+                                                         repartition_param, write_shard_from_full)
 from deepspeed.runtime.precision.low_precision_masters import check_optimizer
 from deepspeed.runtime.zero.partitions.partitioned_step import (PartitionedOptimizerState, attach_step_grads,
                                                                 master_partition, point_optimizer_at)
@@ -91,8 +92,6 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             for p in module.parameters()
             if not getattr(p, "allreduce", True) and getattr(p, "group_name", None) != EXPERT_GROUP_PREFIX + "1"
         }
-        if self._expert_specs:
-            check_expert_support(config, sorted({spec.name for spec in self._expert_specs.values()}))
         self.module = module
         world, rank = self.world_size, self.rank
         model_dtype = config.model_dtype
@@ -107,10 +106,8 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
             for p in all_params:
                 spec = self._expert_specs.get(p)
                 if is_zero_param(p) and spec is not None and getattr(p, "ds_partition_world", None) is None:
-                    raise NotImplementedError(
-                        "expert parameters of expert-parallel size > 1 created under deepspeed.zero.Init are not "
-                        "supported on ZeRO stage 3 (they are partitioned over every data-parallel rank); build the "
-                        "MoE layer outside zero.Init (see docs/moe.md)")
+                    # built under zero.Init, which shards over every rank: over its expert-data-parallel group now
+                    repartition_param(p, spec.world_size, spec.rank, spec.group)
                 if not is_zero_param(p):
                     partition_param(p,
                                     world if spec is None else spec.world_size,
@@ -681,24 +678,6 @@ class Stage3(PartitionedOptimizerState, ZeroStage):
         for name, buffer in self.module.named_buffers():
             state[name] = buffer.detach().cpu()
         return state
-
-
-def check_expert_support(config, group_names):
-    """Raise where expert parameters of expert-parallel size > 1 (of the expert groups ``group_names``) meet a
-    stage-3 feature that does not take them; ``config`` a StageConfig (AutoEP checks before any collective).
-
-    ``offload_optimizer`` is not among them: the host step works on the layout's unit segments, whatever group a
-    unit is sharded over (docs/moe.md); nor is ZeRO++, whose wire, transports and node axis an expert unit takes over
-    its own group (``Stage3._zeropp``). The keys below have not been made to take a second sharding group."""
-    unsupported = [
-        ("offload_param", config.offload_param),
-    ]
-    keys = [key for key, on in unsupported if on]
-    if keys:
-        raise NotImplementedError(
-            f"zero_optimization.{', zero_optimization.'.join(keys)} with expert parameters of "
-            f"expert-parallel groups {group_names} on ZeRO stage 3 is not supported; use expert-parallel "
-            f"size 1 or leave these keys off (see docs/moe.md)")
 
 
 # The class of the optimizer deepspeed.initialize returns for stage 3 (what isinstance checks see).

@@ -8,7 +8,8 @@ equals the HF router of the model whose config says the same (DeepSeek's ``route
 ``score_apply`` / ``route_scale`` values no HF config expresses equal a plain-torch formula.
 
 Training: tiny models of each preset train with AutoEP at ep 1, 2 and 4 on ZeRO 0-3 (GAS 1 and 4,
-fp32 and bf16, cells with the optimizer offloaded, ZeRO-3 at ep 2 among them); losses and gradients equal the
+fp32 and bf16, cells with the optimizer offloaded, ZeRO-3 at ep 2 among them, one with the parameters offloaded
+too and the model built under ``deepspeed.zero.Init``); losses and gradients equal the
 unsharded HF model's in plain torch, each rank's experts against the same slice of the unsharded experts. A
 cell with routing keys compares with the HF model whose config routes that way.
 """
@@ -228,9 +229,17 @@ def _run(cell):
     from deepspeed.utils import groups, safe_get_full_grad
     preset, stage, ep, gas, dtype, offload, keys = cell[:7]
     shape = cell[7] if len(cell) > 7 else {}  # the model's expert count and top-k
+    zero_init = cell[8] if len(cell) > 8 else False  # the model built under deepspeed.zero.Init
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     key_set, hf_overrides = KEY_CELLS[preset] if keys else ({}, {})
-    model = MODELS[preset](**shape)
+    with deepspeed.zero.Init(enabled=zero_init):
+        model = MODELS[preset](**shape)
+    assert zero_init == all(hasattr(p, "ds_id") for p in model.parameters())
+    if zero_init:  # the values of the model built as usual (HF's weight init is not zero.Init-aware)
+        plain = MODELS[preset](**shape)
+        with torch.no_grad(), deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            for p, q in zip(model.parameters(), plain.parameters()):
+                p.copy_(q)
     reference = MODELS[preset](**shape, **hf_overrides)
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -257,7 +266,10 @@ def _run(cell):
         reference = reference.to(torch.bfloat16)
     if offload:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if offload == "param":  # the 16-bit shards on the host too
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    assert (getattr(engine._stage, "fetch", None) is not None) == (offload == "param")
     batches = _batches(world, gas)
     losses, got = [], {}
     for micro in range(gas):
@@ -312,7 +324,8 @@ CELLS_2 = [("qwen3_moe", 2, 1, 1, "fp32", False, False), ("deepseek_v3", 2, 2, 4
            ("qwen3_5_moe", 1, 2, 1, "bf16", True, False), ("deepseek_v2", 0, 1, 1, "fp32", False, True),
            ("deepseek_v3", 1, 2, 1, "fp32", False, True), ("deepseek_v3", 3, 2, 4, "fp32", False, True)]
 # ZeRO-3 at ep 2 on world 4: the experts sharded over their expert-data-parallel group of two ranks (bf16 with the
-# optimizer offloaded: the pipelined unit step)
+# optimizer offloaded: the pipelined unit step; fp32 with the optimizer and the parameters offloaded, "param", and the
+# model built under zero.Init, its fused experts sliced from their whole value)
 CELLS_4 = [("mixtral", 1, 4, 1, "fp32", False, False), ("deepseek_v2", 2, 4, 1, "fp32", False, False),
            ("qwen3_5_moe", 3, 2, 1, "bf16", True, False)]
 
@@ -326,6 +339,7 @@ def _random_shape(seed):
 
 CELLS_2.append(("qwen3_5_moe", 2, 2, 1, "fp32", False, False, _random_shape(40)))  # 6 experts (3 per rank), top-4
 CELLS_4.append(("mixtral", 3, 2, 1, "fp32", False, False, _random_shape(45)))  # ZeRO-3: 8 experts (4 per rank), top-3
+CELLS_4.append(("mixtral", 3, 2, 2, "fp32", "param", False, _random_shape(49), True))  # 6 experts, top-2; zero.Init
 
 
 def test_presets_world2():

@@ -46,13 +46,19 @@ def _named(model, experts):
     return named
 
 
-def _train(ep, k, gas, dtype_name, offload):
-    """Train with the engine; ``(losses of this rank and global norms, {name: fp32 master after the run})``."""
+def _train(ep, k, gas, dtype_name, offload, offload_param=None, zero_init=False):
+    """Train with the engine (``offload``: the ``offload_optimizer`` section or False, ``offload_param`` that
+    section or None; ``zero_init``: the model built under ``deepspeed.zero.Init``); ``(losses of this rank and
+    global norms, {name: fp32 master after the run})``."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    model = Net(ep, k)
+    with deepspeed.zero.Init(enabled=bool(zero_init)):
+        model = Net(ep, k)
+    assert bool(zero_init) == hasattr(model.inp.weight, "ds_id")
+    if zero_init == "constructed":
+        _construct_experts(model, ep)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": gas,
@@ -75,9 +81,13 @@ def _train(ep, k, gas, dtype_name, offload):
         config["bf16"] = {"enabled": True}
     if offload:
         config["zero_optimization"]["offload_optimizer"] = offload
+    if offload_param:
+        config["zero_optimization"]["offload_param"] = offload_param
     engine, _, _, _ = deepspeed.initialize(model=model, config=config)
     stage = engine._stage
+    assert (stage.fetch is not None) == bool(offload_param)
     assert (stage.host_step is not None) == bool(offload)
+    assert (stage.param_tier is not None) == bool(offload_param and offload_param["device"] == "nvme")
     if offload:  # the unit step where the host step is pipelined (bf16, or fp32 on the native op)
         assert (stage.unit_step is not None) == (dtype_name == "bf16" or os.environ.get("DS_NATIVE_CPU_ADAM") == "1")
         assert (stage.speculative is not None) == bool(offload.get("super_offload"))
@@ -104,15 +114,36 @@ def _train(ep, k, gas, dtype_name, offload):
     return losses + norms, masters
 
 
-def _reference_fp32(world, gas, k):
-    """Plain torch, every expert on this rank, routing token by token; ``(losses of every rank, masters)``."""
-    named, loss_of = reference_model(k)
+def _construct_experts(model, ep):
+    """Local experts built by their constructor under zero.Init, then marked: partitioned over every rank with one
+    value (rank 0's, as zero.Init makes it), local expert ``l`` of every expert-parallel rank starting from
+    ``_expert_values(l)``, until ``initialize`` shards them over their expert-data-parallel group."""
+    import deepspeed
+    from deepspeed.moe.utils import mark_expert_param
+    experts = model.moe.deepspeed_moe.experts
+    with deepspeed.zero.Init():
+        experts.deepspeed_experts = torch.nn.ModuleList([_Expert() for _ in range(E // ep)])
+    params = list(experts.deepspeed_experts.parameters())
+    assert all(hasattr(p, "ds_id") for p in params)
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        for local, expert in enumerate(experts.deepspeed_experts):
+            for p, v in zip(expert.parameters(), _expert_values(local)):
+                p.copy_(v)
+    for p in params:
+        mark_expert_param(p, model.moe.expert_group_name)
+
+
+def _reference_fp32(world, gas, k, source=lambda e: e):
+    """Plain torch, every expert on this rank, routing token by token (expert ``e`` starting from
+    ``_expert_values(source(e))``); ``(losses of every rank, masters)``."""
+    named, loss_of = reference_model(k, source)
     return _reference_steps(named, loss_of, world, gas, lambda x: x)
 
 
-def reference_model(k):
-    """The model of ``test_moe_contract`` in plain torch with every expert on this rank, routing token by token:
-    ``({name: parameter}, loss_of(x))`` (experts named ``expert<global index>.``)."""
+def reference_model(k, source=lambda e: e):
+    """The model of ``test_moe_contract`` in plain torch with every expert on this rank, routing token by token
+    (expert ``e`` starting from ``_expert_values(source(e))``): ``({name: parameter}, loss_of(x))`` (experts named
+    ``expert<global index>.``)."""
     values = _dense_values()
     inp, out = torch.nn.Linear(D, D), torch.nn.Linear(D, 1)
     gate = torch.nn.Parameter(values["gate"].clone())
@@ -123,7 +154,7 @@ def reference_model(k):
         out.weight.copy_(values["out"][0])
         out.bias.copy_(values["out"][1])
         for e, expert in enumerate(experts):
-            for p, v in zip(expert.parameters(), _expert_values(e)):
+            for p, v in zip(expert.parameters(), _expert_values(source(e))):
                 p.copy_(v)
     named = {"inp." + n: p for n, p in inp.named_parameters()}
     named.update({"out." + n: p for n, p in out.named_parameters()})
@@ -196,7 +227,7 @@ def _compare(what, got, want, initial, tol):
     return bad
 
 
-def _initial(dtype):
+def _initial(dtype, source=lambda e: e):
     values = _dense_values()
     out = {
         "inp.weight": values["inp"][0],
@@ -206,31 +237,47 @@ def _initial(dtype):
         "out.bias": values["out"][1]
     }
     for e in range(E):
-        for n, v in zip(["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], _expert_values(e)):
+        for n, v in zip(["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], _expert_values(source(e))):
             out[f"expert{e}." + n] = v
     return {n: v.to(dtype).float() for n, v in out.items()}
 
 
-def _cell(ep, k, gas, dtype_name, native, offload):
+def _cell(ep, k, gas, dtype_name, native, offload, offload_param=None, zero_init=False, baselines=None):
+    """The mismatches of one cell; ``baselines`` (a dict) keeps the run without offload and the reference of
+    each ``(ep, k, gas, dtype)`` for later cells of the same."""
     from deepspeed.utils import groups
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     if native:
         os.environ["DS_NATIVE_CPU_ADAM"] = "1"
-    disk = tempfile.mkdtemp() if offload["device"] == "nvme" else None
+    on_disk = [s for s in (offload, offload_param) if s and s["device"] == "nvme"]
+    disk = tempfile.mkdtemp() if on_disk else None
     try:
-        offloaded = _train(ep, k, gas, dtype_name, dict(offload, nvme_path=disk) if disk else offload)
+        offloaded = _train(ep,
+                           k,
+                           gas,
+                           dtype_name,
+                           dict(offload, nvme_path=disk) if offload and offload in on_disk else offload,
+                           dict(offload_param, nvme_path=disk) if offload_param in on_disk else offload_param,
+                           zero_init=zero_init)
     finally:
         os.environ.pop("DS_NATIVE_CPU_ADAM", None)
         if disk:
             shutil.rmtree(disk, ignore_errors=True)
-    plain = _train(ep, k, gas, dtype_name, False)
-    if dtype_name == "fp32":
-        ref_losses, ref_masters = _reference_fp32(world, gas, k)
-        tol = 1e-5
-    else:
-        ref_losses, ref_masters = _reference_bf16(world, gas, k)
-        tol = 2e-2
+    key = (ep, k, gas, dtype_name)
+    baselines = {} if baselines is None else baselines
+    if key not in baselines:
+        plain = _train(ep, k, gas, dtype_name, False)
+        reference = _reference_fp32(world, gas, k) if dtype_name == "fp32" else _reference_bf16(world, gas, k)
+        baselines[key] = plain, reference
+    plain, (ref_losses, ref_masters) = baselines[key]
+    tol = 1e-5 if dtype_name == "fp32" else 2e-2
     groups.reset_mesh()
+    if zero_init == "constructed":  # every expert-parallel rank's local expert l started from the same values
+        assert dtype_name == "fp32"
+        per = E // ep
+        ref_losses, ref_masters = _reference_fp32(world, gas, k, source=lambda e: e % per)
+        want = (ref_losses[rank], {n: ref_masters[n] for n in offloaded[1]})
+        return _compare("zero.Init", offloaded, want, _initial(torch.float32, source=lambda e: e % per), tol)
     want = (ref_losses[rank], {n: ref_masters[n] for n in offloaded[1]})
     initial = _initial(torch.bfloat16 if dtype_name == "bf16" else torch.float32)
     bad = _compare("offload", offloaded, want, initial, tol)
@@ -243,7 +290,8 @@ def _cell(ep, k, gas, dtype_name, native, offload):
 
 
 def _cells(cells):
-    return [(cell, bad[:4]) for cell in cells for bad in [_cell(*cell)] if bad]
+    baselines = {}
+    return [(cell, bad[:4]) for cell in cells for bad in [_cell(*cell, baselines=baselines)] if bad]
 
 
 CPU, NVME = {"device": "cpu"}, {"device": "nvme"}
@@ -258,3 +306,15 @@ CPU, NVME = {"device": "cpu"}, {"device": "nvme"}
                                                (2, 2, 2, "bf16", False, NVME)])])
 def test_stage3_experts_offload_optimizer_trains_like_torch(world, cells):
     assert run_distributed(_cells, world, args=(cells, ), timeout=T) == [[]] * world
+
+
+# (ep, k, gas, dtype, native, offload_optimizer, offload_param, zero.Init) on world 4: the experts are sharded over
+# groups of two ranks and their 16-bit shards live on the host, written by the whole host step (bitwise with the run
+# without offload), or on disk (nvme) with the masters beside the device (bitwise too: both step on torch's Adam);
+# the model built under zero.Init: the MoE layer's expert copies whole until initialize shards them over their
+# group; expert modules built by their constructor under zero.Init (partitioned over every rank, one value), which
+# initialize re-shards over their group (with offload_param)
+def test_stage3_experts_offload_param_and_zero_init_train_like_torch():
+    cells = [(2, 2, 2, "fp32", False, CPU, CPU), (2, 2, 2, "fp32", False, False, NVME),
+             (2, 2, 2, "fp32", False, False, None, True), (2, 2, 2, "fp32", False, False, CPU, "constructed")]
+    assert run_distributed(_cells, 4, args=(cells, ), timeout=T) == [[]] * 4
