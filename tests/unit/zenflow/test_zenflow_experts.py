@@ -32,8 +32,8 @@ LR, EPS, CLIP, STEPS = 0.02, 1e-3, 0.05, 6
 ZENFLOW = dict(topk_ratio=0.2, update_interval=2, select_strategy="step", select_interval=4)
 
 
-def _config(stage, zenflow, micro=1):
-    return {
+def _config(stage, zenflow, micro=1, zero_extra=None):
+    config = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_clipping": CLIP,
         "steps_per_print": float("inf"),
@@ -55,6 +55,8 @@ def _config(stage, zenflow, micro=1):
             }
         }
     }
+    config["zero_optimization"].update(zero_extra or {})
+    return config
 
 
 def _reference(named, zenflow):
@@ -116,12 +118,12 @@ def _moe_data(world):
     return [[torch.randn(S, D, generator=g) for _ in range(world)] for _ in range(STEPS)]
 
 
-def _moe_engine(stage, zenflow, ep=2, k=2):
+def _moe_engine(stage, zenflow, ep=2, k=2, zero_extra=None):
     import deepspeed
     from tests.unit.moe.test_moe_contract import Net
     from tests.unit.moe.test_stage3_expert_offload import _named
     model = Net(ep, k)
-    engine = deepspeed.initialize(model=model, config=_config(stage, zenflow))[0]
+    engine = deepspeed.initialize(model=model, config=_config(stage, zenflow, zero_extra=zero_extra))[0]
     experts = {
         e: model.moe.deepspeed_moe.experts.deepspeed_experts[i]
         for i, e in enumerate(model.moe.global_expert_indices)
@@ -129,15 +131,16 @@ def _moe_engine(stage, zenflow, ep=2, k=2):
     return engine, _named(model, experts)
 
 
-def _moe_cell(stage, zenflow):
+def _moe_cell(stage, zenflow, zero_extra=None):
     from deepspeed.utils import groups
     from tests.unit.moe.test_stage3_expert_offload import reference_model
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    engine, named = _moe_engine(stage, zenflow)
+    engine, named = _moe_engine(stage, zenflow, zero_extra=zero_extra)
     ref_named, loss_of = reference_model(2)
     ref = _reference(ref_named, zenflow)
     zf = engine._stage.zenflow
     assert zf is not None and zf.on_device == (stage < 3 and not zenflow.get("offload", False))
+    assert bool(engine._stage.config.offload_param) == ("offload_param" in (zero_extra or {}))
     assert len(zf.selection.groups) == 2, zf.selection.groups  # dense and the expert-data-parallel group
     bad, selections = [], 0
     try:
@@ -168,6 +171,8 @@ def test_moe_layer_zero2_zero3(world):
     cells = [(2, dict(ZENFLOW, full_warm_up_rounds=1)),
              (2, dict(ZENFLOW, offload=True, update_interval="auto", auto_ratio=0.5)),
              (3, dict(ZENFLOW, overlap_step=True, offload=True))]
+    if world == 4:  # the parameters offloaded too: the experts' 16-bit shards on the host, sized by their group
+        cells.append((3, dict(ZENFLOW, offload=True), {"offload_param": {"device": "cpu"}}))
     assert run_distributed(_moe_cells, world, args=(cells, ), timeout=T) == [[]] * world
 
 
