@@ -35,6 +35,7 @@ import torch
 
 from deepspeed.checkpoint import constants as C
 from deepspeed.runtime.checkpoint.reader import load_file
+from deepspeed.checkpoint.zero3_shards import join_zero3_shards
 from deepspeed.runtime.checkpoint.validate import CheckpointError
 
 LAYERS_KEY = "ds_autoep_layers"
@@ -82,6 +83,16 @@ def expert_shapes(model_states):
     return out
 
 
+def _layers_and_size(model_states, saved, files):
+    """``({expert_key_prefix: layer}, expert-parallel size)``; one size over a world it divides, else raise."""
+    layers = {layer["expert_key_prefix"]: layer for layer in _layers(model_states)}
+    ep = {int(layer["ep_size"]) for layer in layers.values()}
+    if len(ep) != 1 or len(saved) % next(iter(ep)) != 0:
+        raise NotImplementedError(f"{files[0]}: upstream AutoEP layers with expert-parallel sizes {sorted(ep)} over "
+                                  f"{len(saved)} ranks")
+    return layers, next(iter(ep))
+
+
 def module_values(directory, model_states, values):
     """The saved module in this package's names, every expert stacked in global order (read from the layer files;
     a ZeRO-3 save has none: its experts are in the optimizer partitions, read by :func:`zero3_expert_group`)."""
@@ -119,12 +130,7 @@ def expert_group(model_states, saved, files, g, group, group_state, with_state):
     ``saved``/``files``: every rank's ``optimizer_state_dict`` and path; ``group``: the group's ``param_shapes``
     entry (upstream name -> local shape); ``group_state(osd, g, path)``: the inner optimizer's state of the group.
     """
-    layers = {layer["expert_key_prefix"]: layer for layer in _layers(model_states)}
-    ep = {int(layer["ep_size"]) for layer in layers.values()}
-    if len(ep) != 1 or len(saved) % next(iter(ep)) != 0:
-        raise NotImplementedError(f"{files[0]}: upstream AutoEP layers with expert-parallel sizes {sorted(ep)} over "
-                                  f"{len(saved)} ranks")
-    ep = next(iter(ep))
+    layers, ep = _layers_and_size(model_states, saved, files)
     edp = len(saved) // ep
     for layer in layers.values():
         saved_edp = int(layer.get("expert_data_parallel_world_size") or 1)
@@ -183,12 +189,7 @@ def zero3_expert_group(model_states, saved, files, i, group, with_state):
 
     ``saved``/``files``: every rank's ``optimizer_state_dict`` and path; ``group``: the sub-group's ``param_shapes``
     entry (upstream name -> local shape, in flat order)."""
-    layers = {layer["expert_key_prefix"]: layer for layer in _layers(model_states)}
-    ep = {int(layer["ep_size"]) for layer in layers.values()}
-    if len(ep) != 1 or len(saved) % next(iter(ep)) != 0:
-        raise NotImplementedError(f"{files[0]}: upstream AutoEP layers with expert-parallel sizes {sorted(ep)} over "
-                                  f"{len(saved)} ranks")
-    ep = next(iter(ep))
+    layers, ep = _layers_and_size(model_states, saved, files)
 
     def holders(j):
         """The ranks sharding expert-parallel rank ``j``'s sub-group, in partition-rank order."""
@@ -204,17 +205,15 @@ def zero3_expert_group(model_states, saved, files, i, group, with_state):
         parts = [source_of(r) for r in ranks[j]]
         out, offset = {}, 0
         for name, shape in group.items():
+
+            def too_short(k, name=name):
+                raise CheckpointError(f"{files[ranks[j][k]]}: '{key}' of sub-group {i} is too short for '{name}'")
+
             numel = 1
             for d in shape:
                 numel *= int(d)
-            shard = -(-numel // len(parts)) if numel else 0
-            chunks = []
-            for k, part in enumerate(parts):
-                take = max(0, min(shard, numel - k * shard))
-                if offset + take > part.numel():
-                    raise CheckpointError(f"{files[ranks[j][k]]}: '{key}' of sub-group {i} is too short for '{name}'")
-                chunks.append(part.narrow(0, offset, take))
-            out[name] = torch.cat(chunks).view(tuple(shape))
+            value, shard = join_zero3_shards(parts, numel, offset, too_short)
+            out[name] = value.view(tuple(shape))
             offset += shard
         return out
 

@@ -43,6 +43,7 @@ import torch
 
 from deepspeed.checkpoint import constants as C
 from deepspeed.checkpoint import upstream_autoep
+from deepspeed.checkpoint.zero3_shards import join_zero3_shards
 from deepspeed.runtime.checkpoint.reader import META_KEY, load_file
 from deepspeed.runtime.checkpoint.reshard import STEP_KEY, FullState
 from deepspeed.runtime.checkpoint.validate import CheckpointError
@@ -62,11 +63,6 @@ def is_upstream_model_states(checkpoint):
 
 def _numel(shape):
     return int(math.prod(tuple(shape)))
-
-
-def zero3_shard_numel(numel, world):
-    """Elements of each rank's shard of a parameter of ``numel`` elements on stage 3 (the last ones padded)."""
-    return int(math.ceil(numel / world)) if numel else 0
 
 
 def scaler_state(saved, fp16, hysteresis):
@@ -462,14 +458,11 @@ class UpstreamCheckpoint:
             flats.append(groups)
 
         def cut(parts, name, numel, offset, key):
-            shard = zero3_shard_numel(numel, world)
-            chunks = []
-            for rank, part in enumerate(parts):
-                take = max(0, min(shard, numel - rank * shard))
-                if offset + take > part.numel():
-                    raise CheckpointError(f"{files[rank]}: '{key}' is too short for parameter '{name}'")
-                chunks.append(part.narrow(0, offset, take))
-            return torch.cat(chunks), shard
+
+            def too_short(rank):
+                raise CheckpointError(f"{files[rank]}: '{key}' is too short for parameter '{name}'")
+
+            return join_zero3_shards(parts, numel, offset, too_short)
 
         inner0 = saved[0].get(C.OPTIMIZER_STATE_DICT)
         if not isinstance(inner0, dict) or C.PARAM_GROUPS not in inner0:

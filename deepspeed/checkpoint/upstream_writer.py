@@ -31,7 +31,8 @@ from collections import OrderedDict
 import torch
 
 from deepspeed.checkpoint import constants as C
-from deepspeed.checkpoint.upstream_format import MODEL_STATES, OPTIM_STATES, ZERO3_MODEL_STATES, zero3_shard_numel
+from deepspeed.checkpoint.upstream_format import MODEL_STATES, OPTIM_STATES, ZERO3_MODEL_STATES
+from deepspeed.checkpoint.zero3_shards import zero3_shard_numel
 from deepspeed.runtime.checkpoint.reshard import STEP_KEY
 from deepspeed.runtime.checkpoint.validate import CheckpointError
 

@@ -91,6 +91,24 @@ class ZenFlowReference:
         self.auto = None
         self.last_norm = None
 
+    @classmethod
+    def from_config(cls, params, zenflow, **adam):
+        """The reference a ``zero_optimization.zenflow`` section ``zenflow`` describes (its keys at the config's
+        defaults where left out; ``"auto"`` intervals as None); ``adam``: ``lr``, ``eps``, ``weight_decay``,
+        ``clip``."""
+        update = zenflow.get("update_interval", "auto")
+        select = zenflow.get("select_interval", "auto")
+        return cls(params,
+                   topk=zenflow.get("topk_ratio", 0.1),
+                   update_every=None if update == "auto" else update,
+                   select_every=None if select == "auto" else select,
+                   warm_up=zenflow.get("full_warm_up_rounds", 0),
+                   overlap=zenflow.get("overlap_step", False),
+                   auto_ratio=zenflow.get("auto_ratio", 0.99),
+                   window_update=zenflow.get("window_update", "once"),
+                   apply_after=zenflow.get("overlap_apply_after", "window"),
+                   **adam)
+
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def selectable(t):

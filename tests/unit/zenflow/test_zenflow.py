@@ -85,23 +85,7 @@ def config(stage, gas, zenflow, dtype="fp32", bucket=37):
 
 def reference_for(model, zenflow):
     from tests.unit.zenflow.reference import ZenFlowReference
-    update = zenflow.get("update_interval", "auto")
-    select = zenflow.get("select_interval", "auto")
-    return ZenFlowReference({
-        n: p
-        for n, p in model.named_parameters()
-    },
-                            lr=LR,
-                            weight_decay=0.01,
-                            clip=CLIP,
-                            topk=zenflow.get("topk_ratio", 0.1),
-                            update_every=None if update == "auto" else update,
-                            select_every=None if select == "auto" else select,
-                            warm_up=zenflow.get("full_warm_up_rounds", 0),
-                            overlap=zenflow.get("overlap_step", False),
-                            auto_ratio=zenflow.get("auto_ratio", 0.99),
-                            window_update=zenflow.get("window_update", "once"),
-                            apply_after=zenflow.get("overlap_apply_after", "window"))
+    return ZenFlowReference.from_config(dict(model.named_parameters()), zenflow, lr=LR, weight_decay=0.01, clip=CLIP)
 
 
 def reference_grads(model, values, world, step, micro):

@@ -61,20 +61,8 @@ def _config(stage, zenflow, micro=1, zero_extra=None):
 
 def _reference(named, zenflow):
     from tests.unit.zenflow.reference import ZenFlowReference
-    return ZenFlowReference({
-        n: p.detach()
-        for n, p in named.items()
-    },
-                            lr=LR,
-                            eps=EPS,
-                            weight_decay=0.01,
-                            clip=CLIP,
-                            topk=zenflow["topk_ratio"],
-                            update_every=None if zenflow["update_interval"] == "auto" else zenflow["update_interval"],
-                            auto_ratio=zenflow.get("auto_ratio", 0.99),
-                            select_every=zenflow["select_interval"],
-                            warm_up=zenflow.get("full_warm_up_rounds", 0),
-                            overlap=zenflow.get("overlap_step", False))
+    params = {n: p.detach() for n, p in named.items()}
+    return ZenFlowReference.from_config(params, zenflow, lr=LR, eps=EPS, weight_decay=0.01, clip=CLIP)
 
 
 def _mean_grads(named, values, losses):

@@ -88,16 +88,12 @@ def train_and_record(widths, world_total, zenflow, bucket):
     per_rank = world_total // world
     torch.manual_seed(0)
     model = mlp(widths)
-    ref = ZenFlowReference(dict(model.named_parameters()),
-                           lr=LR,
-                           eps=EPS,
-                           weight_decay=0.01,
-                           clip=CLIP,
-                           topk=zenflow["topk_ratio"],
-                           update_every=None if zenflow["update_interval"] == "auto" else zenflow["update_interval"],
-                           auto_ratio=zenflow.get("auto_ratio", 0.99),
-                           select_every=zenflow["select_interval"],
-                           overlap=zenflow.get("overlap_step", False))
+    ref = ZenFlowReference.from_config(dict(model.named_parameters()),
+                                       zenflow,
+                                       lr=LR,
+                                       eps=EPS,
+                                       weight_decay=0.01,
+                                       clip=CLIP)
     engine = deepspeed.initialize(model=copy.deepcopy(model), config=config(world_total, world, zenflow, bucket))[0]
     zf = engine._stage.zenflow
     by_engine_param = {p: n for n, p in engine.module.named_parameters()}
