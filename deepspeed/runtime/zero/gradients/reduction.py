@@ -318,9 +318,12 @@ class PartitionGeometry(_Geometry):
             self._dest.append(layout.bucket_part(self.grad_parts[spec.group], spec))
             if bucket.slots:
                 self._register_piece(self._dest[-1])
+        # Stage 1 accumulates a whole window into one staging buffer of the model's size; it exists only while
+        # some bucket holds contributions not yet reduced (allocated by the window's first contribution, dropped
+        # when the boundary has folded every bucket), so between steps the memory is free for others (generation)
+        self._persistent_staging = persistent_staging and not self.identity
         self._persistent = None
-        if persistent_staging and not self.identity:
-            self._persistent = torch.zeros(layout.numel, dtype=self.accum_dtype, device=self.device)
+        self._unreduced = set()  # buckets with contributions in the persistent staging
 
     def partitions(self):
         self.settle()
@@ -346,11 +349,18 @@ class PartitionGeometry(_Geometry):
         spec = self.layout.buckets[index]
         return self._persistent.narrow(0, spec.start, spec.padded)
 
+    def _staging_for(self, index):
+        """The persistent staging of bucket ``index``, allocated (zeros) by the window's first contribution."""
+        if self._persistent is None:
+            self._persistent = torch.zeros(self.layout.numel, dtype=self.accum_dtype, device=self.device)
+        self._unreduced.add(index)
+        return self._persistent_region(index)
+
     def copy_in(self, bucket, slots, grads, factor):
         if self.identity:  # a world of one: the partition is the whole bucket
             _flat_copy_in(self._dest[bucket.index], bucket, slots, grads, factor, fresh=False)
-        elif self._persistent is not None:
-            _flat_copy_in(self._persistent_region(bucket.index), bucket, slots, grads, factor, fresh=False)
+        elif self._persistent_staging:
+            _flat_copy_in(self._staging_for(bucket.index), bucket, slots, grads, factor, fresh=False)
         else:
             fresh = bucket.staging is None
             if fresh:
@@ -374,7 +384,7 @@ class PartitionGeometry(_Geometry):
         reuse = None
         if not own:
             staged = late
-        elif self._persistent is not None:
+        elif bucket.index in self._unreduced:
             staged = reuse = self._persistent_region(bucket.index)
         else:
             staged, bucket.staging = bucket.staging, None
@@ -390,12 +400,16 @@ class PartitionGeometry(_Geometry):
         if flight.staged is not None:
             read.wait_stream()  # the persistent staging is zeroed on the device once its copy has read it
             flight.staged.zero_()
+            self._unreduced.discard(flight.bucket.index)
+            if not self._unreduced:  # the window is reduced: nothing to keep until the next contribution
+                self._persistent = None
 
     def release(self):
         super().release()
         self.grad_parts = []
         self._dest = []
         self._persistent = None
+        self._unreduced = set()
 
 
 class UnitGeometry(_Geometry):
