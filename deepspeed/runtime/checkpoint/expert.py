@@ -181,18 +181,23 @@ def check_load(engine, load_dir, tag, load_module_only, load_optimizer_states, l
                               f"experts only. Load with load_module_only=True (the fp32 masters follow the module)")
 
 
+def _rank0_model_states(directory):
+    """Rank 0's model-states file of ``directory`` (stages 0-2: the one file; stage 3: every rank writes its own),
+    loaded, or None."""
+    from deepspeed.runtime.checkpoint import paths
+    for name in (paths.model_states_name(0), paths.zero3_model_states_name(0)):
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            return torch.load(path, map_location="cpu", weights_only=False)
+    return None
+
+
 def _upstream_autoep(directory):
     """Whether ``directory`` holds upstream's AutoEP checkpoint (read by ``checkpoint/upstream_autoep.py``)."""
     from deepspeed.checkpoint.upstream_autoep import is_autoep
-    from deepspeed.runtime.checkpoint import paths
     from deepspeed.runtime.checkpoint.reader import META_KEY
-    path = os.path.join(directory, paths.model_states_name(0))
-    if not os.path.exists(path):
-        path = os.path.join(directory, paths.zero3_model_states_name(0))  # stage 3: every rank writes its own
-        if not os.path.exists(path):
-            return False
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    return META_KEY not in ckpt and is_autoep(ckpt)
+    ckpt = _rank0_model_states(directory)
+    return ckpt is not None and META_KEY not in ckpt and is_autoep(ckpt)
 
 
 def localize_global_experts(engine, values):
@@ -221,14 +226,10 @@ def localize_global_experts(engine, values):
 
 def _saved_stage(directory):
     """The ZeRO stage that wrote ``directory`` (from rank 0's model-states file), or None."""
-    from deepspeed.runtime.checkpoint import paths
     from deepspeed.runtime.checkpoint.reader import META_KEY
-    path = os.path.join(directory, paths.model_states_name(0))
-    if not os.path.exists(path):
-        path = os.path.join(directory, paths.zero3_model_states_name(0))  # stage 3: every rank writes its own
-        if not os.path.exists(path):
-            return None
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = _rank0_model_states(directory)
+    if ckpt is None:
+        return None
     return (ckpt.get(META_KEY) or {}).get("zero_stage", 0 if ckpt.get("optimizer") is not None else None)
 
 

@@ -112,8 +112,9 @@ def _data(world, gas):
     return data
 
 
-def _reference(world, gas, k, dtype):
-    """Reference gradients: ``{'inp.weight': ..., 'expert3.fc1.weight': ...}`` (float32), token by token."""
+def reference_layers(source=lambda e: e):
+    """``Net``'s layers in plain torch with every expert on this rank: ``(inp, out, gate, experts)``, expert ``e``
+    starting from ``_expert_values(source(e))``."""
     values = _dense_values()
     inp = torch.nn.Linear(D, D)
     out = torch.nn.Linear(D, 1)
@@ -125,8 +126,14 @@ def _reference(world, gas, k, dtype):
         out.weight.copy_(values["out"][0])
         out.bias.copy_(values["out"][1])
         for e, expert in enumerate(experts):
-            for p, v in zip(expert.parameters(), _expert_values(e)):
+            for p, v in zip(expert.parameters(), _expert_values(source(e))):
                 p.copy_(v)
+    return inp, out, gate, experts
+
+
+def _reference(world, gas, k, dtype):
+    """Reference gradients: ``{'inp.weight': ..., 'expert3.fc1.weight': ...}`` (float32), token by token."""
+    inp, out, gate, experts = reference_layers()
     modules = [inp, out] + experts
     for m in modules:
         m.to(dtype).float()

@@ -22,7 +22,8 @@ import torch
 
 from tests.unit.common import run_distributed
 from tests.unit.moe.reference import reference_moe_output
-from tests.unit.moe.test_moe_contract import AUX, D, E, S, Net, _Expert, _dense_values, _expert_values
+from tests.unit.moe.test_moe_contract import (AUX, D, E, S, Net, _Expert, _dense_values, _expert_values,
+                                              reference_layers)
 
 T = 240
 # eps near the clipped gradient's elements, so that Adam's update depends on the clipping coefficient
@@ -144,18 +145,7 @@ def reference_model(k, source=lambda e: e):
     """The model of ``test_moe_contract`` in plain torch with every expert on this rank, routing token by token
     (expert ``e`` starting from ``_expert_values(source(e))``): ``({name: parameter}, loss_of(x))`` (experts named
     ``expert<global index>.``)."""
-    values = _dense_values()
-    inp, out = torch.nn.Linear(D, D), torch.nn.Linear(D, 1)
-    gate = torch.nn.Parameter(values["gate"].clone())
-    experts = [_Expert() for _ in range(E)]
-    with torch.no_grad():
-        inp.weight.copy_(values["inp"][0])
-        inp.bias.copy_(values["inp"][1])
-        out.weight.copy_(values["out"][0])
-        out.bias.copy_(values["out"][1])
-        for e, expert in enumerate(experts):
-            for p, v in zip(expert.parameters(), _expert_values(source(e))):
-                p.copy_(v)
+    inp, out, gate, experts = reference_layers(source)
     named = {"inp." + n: p for n, p in inp.named_parameters()}
     named.update({"out." + n: p for n, p in out.named_parameters()})
     named["gate"] = gate
