@@ -150,13 +150,7 @@ class OptimizerStateSwap(DiskTier):
         host_step = self.host_step
         optimizer = host_step.optimizer
         prepared = {}
-        for g, group in enumerate(optimizer.param_groups):
-            if not group["params"]:
-                continue
-            master = host_step.masters[g]
-            grad = master.grad
-            if grad is None:
-                continue
+        for g, group, master, grad in host_step.stepped_groups():
             if grad.dtype != torch.float32 or grad.device.type != "cpu" or not grad.is_contiguous():
                 raise ValueError("OptimizerStateSwap: the gradients must be contiguous float32 host tensors")
             state = optimizer._state_for(master, master, group)  # the step count, as the optimizer creates it

@@ -236,10 +236,7 @@ class PagedStep:
             table = swap.table
         else:
             table = self.grid
-        stepped = [
-            g for g, group in enumerate(optimizer.param_groups)
-            if group["params"] and host_step.masters[g].grad is not None
-        ]
+        stepped = [g for g, _, _, _ in host_step.stepped_groups()]
         if swap is not None:
             swap.plan([p for g in stepped for p in table.group_pages[g]])
         fused_copy = host_step.writes_16bit

@@ -114,6 +114,13 @@ class HostStep:
                                           instead="set offload_optimizer.ratio to 1"))
             self.share = DeviceShare(self, device_ranges, self.device)
 
+    def stepped_groups(self):
+        """``(index, param group, master, its gradient)`` of every param group this step updates (one with
+        parameters and a gradient)."""
+        for g, group in enumerate(self.optimizer.param_groups):
+            if group["params"] and self.masters[g].grad is not None:
+                yield g, group, self.masters[g], self.masters[g].grad
+
     def _attach_optimizer_tier(self, disk, page_table, rank):
         """The optimizer tier on every path: paged by the pieces (``page_table``) for the pipelined step, on the
         aligned grid of ``paged_step`` for the inner optimizer's own step; NotPageableError where that step is not

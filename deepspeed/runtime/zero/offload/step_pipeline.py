@@ -128,13 +128,7 @@ class StepPipeline:
             return host_step.swap.prepare()
         optimizer = host_step.optimizer
         prepared = {}
-        for g, group in enumerate(optimizer.param_groups):
-            if not group["params"]:
-                continue
-            master = host_step.masters[g]
-            grad = master.grad
-            if grad is None:
-                continue
+        for g, group, master, grad in host_step.stepped_groups():
             if not host_adam.tensor_supported(master.data, grad):
                 raise ValueError("StepPipeline: the masters and their gradients must be contiguous float32 host "
                                  "tensors")
